@@ -1,0 +1,1 @@
+"""Hydra / OmegaConf YAML files for shardmerge options (package data of ``shardmerge.conf``)."""

@@ -1,0 +1,1 @@
+"""Trainer-side integrations of shardmerge (imported as ``shardmerge.hooks.*``)."""

@@ -1,0 +1,149 @@
+"""MergeConfig: the single source of every option.
+
+The CLI, the YAML files shipped in ``shardmerge.conf`` and the save-time hooks all build a :class:`MergeConfig`;
+every field's ``metadata["help"]`` is the text the CLI and the YAML files show.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
+
+from .errors import ShardMergeError
+
+BACKENDS = ("auto", "fsdp", "dcp", "lightning", "megatron")
+DTYPES = ("bfloat16", "float16", "float32", "source")
+LORA_MODES = ("auto", "adapter", "merge", "both", "none")
+DEVICES = ("cpu", "cuda")
+
+
+def _f(default: Any, help: str, **kw: Any) -> Any:
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class MergeConfig:
+    """Every option of a merge. Build with keyword arguments; unknown names raise :class:`ShardMergeError`.
+
+    Sizes are bytes (int) or strings with a unit as in transformers' ``convert_file_size_to_int``
+    (``"5GB"`` = 5·10⁹ bytes, ``"512MiB"`` = 512·2²⁰ bytes).
+    """
+
+    backend: str = _f("auto", "source format: auto, fsdp, dcp, lightning or megatron")
+    target: str = _f(
+        "{stem}_hf",
+        "save-time target template; fields {stem} (checkpoint name without suffix), {name}, {step}, {parent}",
+    )
+    role: str | None = _f(None, "verl role to merge when a step holds several (actor, critic); default: all")
+    hf_model_config_path: str | None = _f(None, "folder holding config.json, tokenizer and generation config")
+    dtype: str = _f("bfloat16", "output dtype of floating tensors: bfloat16, float16, float32 or source")
+    max_shard_size: str | int = _f("5GB", "largest output safetensors file (bytes or e.g. '5GB', '2GiB')")
+    memory_budget: str | int = _f("256MiB", "bytes of tensor data in flight at once (read, assembly, cast buffers)")
+    workers: int = _f(0, "I/O threads (0: min(4, CPU count))")
+    device: str = _f("cpu", "where casts and LoRA products run: cpu or cuda")
+    cuda_memory_fraction: float = _f(0.25, "cap on the GPU memory a cuda merge may use (fraction of the device)")
+    trust_remote_code: bool = _f(False, "allow custom model code named by the config (copied *.py files)")
+    trust_pickle: bool = _f(False, "last resort: unpickle checkpoint objects outside the allow-list")
+    check_replicas: bool = _f(True, "compare replicated pieces (HSDP, FSDP+TP) and fail if they differ")
+    overwrite: bool = _f(False, "replace a non-empty target directory")
+    tie_word_embedding: bool | None = _f(
+        None, "assert the embedding/lm_head tie (checked against config and weights); default: from the config"
+    )
+    is_value_model: bool = _f(False, "write a value (critic) model: *ForTokenClassification with one label")
+    lora: str = _f("auto", "LoRA output: auto (adapter if LoRA keys exist), adapter, merge, both, none")
+    lora_r: int | None = _f(None, "LoRA rank when the checkpoint does not record it")
+    lora_alpha: float | None = _f(None, "LoRA alpha when the checkpoint does not record it")
+    lora_rslora: bool | None = _f(None, "rank-stabilised LoRA scaling alpha/sqrt(r)")
+    base_model_path: str | None = _f(None, "HF directory of the base model, for merging LoRA-only checkpoints")
+    keep_mtp: bool = _f(False, "keep Megatron multi-token-prediction layers (a declared addition)")
+    keep_last: int | None = _f(None, "save time: keep only the N newest merged siblings (ours only); None keeps all")
+    supersede: bool = _f(False, "save time: drop a queued merge when a newer checkpoint of the same run arrives")
+    wait_on_exit: bool = _f(True, "save time: wait for queued merges when training ends")
+    upload_repo: str | None = _f(None, "upload the result to this HuggingFace hub repository")
+    private: bool = _f(False, "create the hub repository as private")
+    progress: bool | None = _f(None, "progress bar: None = only on a terminal")
+    quiet: bool = _f(False, "no progress bar and no info logging")
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise :class:`ShardMergeError` naming the first invalid field."""
+        _choice("backend", self.backend, BACKENDS)
+        _choice("dtype", self.dtype, DTYPES)
+        _choice("lora", self.lora, LORA_MODES)
+        if self.device not in DEVICES and not str(self.device).startswith("cuda:"):
+            raise ShardMergeError(f"device {self.device!r} is not one of cpu, cuda, cuda:N")
+        for name in ("max_shard_size", "memory_budget"):
+            parse_size(getattr(self, name), name)
+        if self.workers < 0:
+            raise ShardMergeError(f"workers must be >= 0, got {self.workers}")
+        if self.keep_last is not None and self.keep_last < 1:
+            raise ShardMergeError(f"keep_last must be >= 1 or None, got {self.keep_last}")
+        if not 0 < self.cuda_memory_fraction <= 1:
+            raise ShardMergeError(f"cuda_memory_fraction must be in (0, 1], got {self.cuda_memory_fraction}")
+
+    def replace(self, **overrides: Any) -> "MergeConfig":
+        """A copy with ``overrides`` applied (unknown names raise :class:`ShardMergeError`)."""
+        return MergeConfig.from_mapping({**self.to_dict(), **overrides})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any] | None = None, **overrides: Any) -> "MergeConfig":
+        """Build from a dict (e.g. an OmegaConf node converted to a container) plus keyword overrides."""
+        data = dict(values or {})
+        data.update(overrides)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ShardMergeError(f"unknown MergeConfig option(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**data)
+
+    @property
+    def max_shard_bytes(self) -> int:
+        return parse_size(self.max_shard_size, "max_shard_size")
+
+    @property
+    def memory_budget_bytes(self) -> int:
+        return parse_size(self.memory_budget, "memory_budget")
+
+
+def field_help() -> dict[str, str]:
+    """``{field name: help text}`` in declaration order."""
+    return {f.name: f.metadata.get("help", "") for f in fields(MergeConfig)}
+
+
+def parse_size(value: str | int, name: str = "size") -> int:
+    """Bytes from an int or a string such as ``"5GB"`` (transformers' ``convert_file_size_to_int`` units).
+
+    Raises:
+        ShardMergeError: the value is not a positive size.
+    """
+    if isinstance(value, bool):
+        raise ShardMergeError(f"{name}: expected a size, got {value!r}")
+    if isinstance(value, int):
+        n = value
+    else:
+        text = str(value).strip()
+        if text.isdigit():
+            n = int(text)
+        else:
+            from transformers.utils.hub import convert_file_size_to_int
+
+            try:
+                n = convert_file_size_to_int(text)
+            except (ValueError, TypeError):
+                raise ShardMergeError(f"{name}: {value!r} is not a size such as '5GB', '512MiB' or a byte count") from None
+    if n <= 0:
+        raise ShardMergeError(f"{name} must be positive, got {value!r}")
+    return n
+
+
+def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ShardMergeError(f"{name} {value!r} is not one of {', '.join(choices)}")

@@ -1,0 +1,401 @@
+"""merge() and inspect(): reader -> converter -> writer, with parallel I/O and progress.
+
+Flow of one merge:
+
+1. :func:`shardmerge.formats.locate` resolves the path (tracker file, roles, trainer subfolders) and the backend;
+2. the HF config folder is found and the expected model (meta device) is built in a thread while the reader
+   replays the rank files' pickles (metadata only);
+3. the converter maps training names and layouts onto the on-disk key set ``save_pretrained`` would write;
+4. the writer plans every file, checks free space, streams row blocks into a temporary sibling, writes index,
+   config, tokenizer files and the manifest last, and renames the folder into place.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import __version__
+from .config import MergeConfig
+from .convert import convert
+from .convert.expected import ExpectedModel, build_expected
+from .errors import ConfigNotFoundError, ShardMergeError
+from .formats import Located, locate, open_reader
+from .formats.base import FilePool, SourceCheckpoint
+from .hfdir import copy_hf_files, find_config_dir, write_config, write_json
+from .writer import MANIFEST, CastStats, OutTensor, PlannedFile, Staging, index_json, plan_files, terminate_as_exception, write_files
+
+log = logging.getLogger("shardmerge")
+
+MANIFEST_SCHEMA = 1
+
+
+@dataclass
+class MergeReport:
+    """What a merge (or an inspection) did and found. ``to_dict()`` is what ``--json`` prints.
+
+    Sizes are bytes, times seconds. ``roles`` holds one report per verl role when the source held several.
+    """
+
+    source: str
+    target: str | None = None
+    format: str = ""
+    reason: str = ""
+    discovery: list[str] = field(default_factory=list)
+    role: str | None = None
+    step: int | None = None
+    world_size: int = 0
+    mesh: str | None = None
+    placements: dict[str, int] = field(default_factory=dict)
+    config_dir: str | None = None
+    architecture: str | None = None
+    tie_word_embeddings: bool | None = None
+    dtype: str | None = None
+    source_dtypes: dict[str, int] = field(default_factory=dict)
+    tensors: int = 0
+    bytes: int = 0
+    files: list[str] = field(default_factory=list)
+    copied: list[str] = field(default_factory=list)
+    nonfinite: dict[str, int] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    predicted_peak_bytes: int | None = None
+    planned: list[dict] = field(default_factory=list)
+    roles: dict[str, "MergeReport"] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["roles"] = {k: v.to_dict() for k, v in self.roles.items()}
+        return d
+
+
+def _dtype_name(dt: torch.dtype) -> str:
+    return str(dt).replace("torch.", "")
+
+
+def output_dtype(requested: str, src: torch.dtype) -> torch.dtype:
+    """Output dtype for a source dtype: floating tensors take ``requested`` unless it is ``source``; integer and
+    bool tensors are never cast."""
+    if requested == "source" or not src.is_floating_point:
+        return src
+    return getattr(torch, requested)
+
+
+def default_target(src: Path, template: str = "{stem}_hf", step: int | None = None) -> Path:
+    """Target folder from a template with fields ``{stem}``, ``{name}``, ``{step}``, ``{parent}``.
+
+    A relative result is placed beside the source (``global_step_100/actor`` -> ``global_step_100/actor_hf``;
+    ``epoch=0-step=6.ckpt`` -> ``epoch=0-step=6_hf``).
+    """
+    stem = src.name[: -len(src.suffix)] if src.suffix in (".ckpt", ".pt", ".pth") else src.name
+    text = template.format(stem=stem, name=src.name, step="" if step is None else step, parent=str(src.parent))
+    p = Path(text).expanduser()
+    return p if p.is_absolute() else src.parent / p
+
+
+class _Prepared:
+    """Everything known before writing: the located source, what was read, the HF side and the plan."""
+
+    def __init__(self, loc: Located, cfg: MergeConfig):
+        self.loc = loc
+        self.cfg = cfg
+        self.pool = FilePool()
+        self.ckpt: SourceCheckpoint | None = None
+        self.exp: ExpectedModel | None = None
+        self.out: list[OutTensor] = []
+        self.files: list[PlannedFile] = []
+        self.notes: list[str] = []
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+def _prepare(loc: Located, cfg: MergeConfig, config_override: Any = None) -> _Prepared:
+    prep = _Prepared(loc, cfg)
+    try:
+        config_dir: Path | None = None
+        config_error: ShardMergeError | None = None
+        try:
+            config_dir = find_config_dir(loc.path, cfg.hf_model_config_path)
+        except ConfigNotFoundError as e:
+            config_error = e
+
+        holder: dict[str, Any] = {}
+
+        def build() -> None:
+            try:
+                holder["exp"] = build_expected(config_dir, cfg.trust_remote_code, cfg.is_value_model)
+            except BaseException as e:  # handed to the caller thread
+                holder["err"] = e
+
+        thread = None
+        if config_dir is not None:
+            thread = threading.Thread(target=build, name="shardmerge-expected", daemon=True)
+            thread.start()
+
+        def expected() -> ExpectedModel:
+            if config_error is not None:
+                raise config_error
+            thread.join()
+            if "err" in holder:
+                raise holder["err"]
+            return holder["exp"]
+
+        def oracle(name: str):
+            from .convert.hf import strip_wrappers
+
+            exp = expected()
+            n = strip_wrappers(name)
+            if n in exp.in_memory:
+                return exp.in_memory[n]
+            i = n.find(".")
+            while i != -1:
+                if n[i + 1 :] in exp.in_memory:
+                    return exp.in_memory[n[i + 1 :]]
+                i = n.find(".", i + 1)
+            return None
+
+        reader = open_reader(loc)
+        prep.ckpt = reader(loc.path, prep.pool, oracle, trust_pickle=cfg.trust_pickle, check_replicas=cfg.check_replicas)
+        prep.exp = expected()
+        converted = convert(prep.ckpt, prep.exp, cfg)
+        prep.notes = list(prep.ckpt.notes) + converted.notes
+        narrowed = Counter()
+        for name, src in converted.tensors.items():
+            dt = output_dtype(cfg.dtype, src.dtype)
+            if dt != src.dtype and src.dtype.itemsize > dt.itemsize:
+                narrowed[(_dtype_name(src.dtype), _dtype_name(dt))] += 1
+            prep.out.append(OutTensor(name, src, dt))
+        for (a, b), n in narrowed.items():
+            prep.notes.append(f"narrowing {a} -> {b} for {n} tensors (--dtype {cfg.dtype}; use --dtype source to keep {a})")
+        prep.files = plan_files(prep.out, cfg.max_shard_bytes)
+        return prep
+    except BaseException:
+        prep.close()
+        raise
+
+
+def _block_bytes(cfg: MergeConfig, workers: int) -> int:
+    # Per block in flight: the source bytes, an assembly buffer when pieces meet, and the cast output.
+    per = cfg.memory_budget_bytes // ((workers + 1) * 3)
+    return int(min(max(per, 1 << 20), 512 << 20))
+
+
+def _workers(cfg: MergeConfig) -> int:
+    return cfg.workers or min(4, os.cpu_count() or 1)
+
+
+def _report_from(prep: _Prepared, started: float) -> MergeReport:
+    ckpt, exp, loc, cfg = prep.ckpt, prep.exp, prep.loc, prep.cfg
+    out_dtypes = Counter(_dtype_name(t.dtype) for t in prep.out if t.dtype.is_floating_point)
+    return MergeReport(
+        source=str(loc.path),
+        format=ckpt.format,
+        reason=loc.reason,
+        discovery=list(loc.chain),
+        role=loc.role,
+        step=loc.step if loc.step is not None else ckpt.step,
+        world_size=ckpt.world_size,
+        mesh=ckpt.mesh,
+        placements=dict(ckpt.placements),
+        config_dir=str(exp.config_dir) if exp.config_dir else None,
+        architecture=exp.architecture,
+        tie_word_embeddings=exp.tie_word_embeddings,
+        dtype=out_dtypes.most_common(1)[0][0] if out_dtypes else None,
+        source_dtypes=dict(Counter(_dtype_name(t.source.dtype) for t in prep.out)),
+        tensors=len(prep.out),
+        bytes=sum(t.nbytes for t in prep.out),
+        files=[f.name for f in prep.files],
+        notes=list(prep.notes),
+        seconds=time.perf_counter() - started,
+    )
+
+
+def _resolve_config(config: MergeConfig | None, overrides: dict[str, Any]) -> MergeConfig:
+    cfg = config or MergeConfig()
+    if overrides:
+        cfg = cfg.replace(**overrides)
+    if cfg.device != "cpu" and not torch.cuda.is_available():
+        raise ShardMergeError(f"device {cfg.device!r} requested but CUDA is not available")
+    return cfg
+
+
+def inspect(local_dir: str | os.PathLike, config: MergeConfig | None = None, **overrides: Any) -> MergeReport:
+    """Describe what :func:`merge` would do, from metadata only (nothing written, no tensor data read).
+
+    The report holds the format and why, world size, mesh and placements, tensors and bytes, the planned files,
+    the tie and dtype decisions and ``predicted_peak_bytes`` (resident memory the merge is expected to reach).
+
+    Raises:
+        ShardMergeError: as :func:`merge`, for everything found before writing.
+    """
+    import psutil
+
+    started = time.perf_counter()
+    cfg = _resolve_config(config, overrides)
+    locs = locate(local_dir, cfg.backend, cfg.role)
+    reports = []
+    for loc in locs:
+        prep = _prepare(loc, cfg)
+        try:
+            rep = _report_from(prep, started)
+            workers = _workers(cfg)
+            rep.predicted_peak_bytes = psutil.Process().memory_info().rss + (workers + 1) * 3 * _block_bytes(cfg, workers)
+            rep.planned = [{"file": f.name, "tensors": len(f.entries), "bytes": f.size} for f in prep.files]
+            rep.target = str(default_target(loc.path, cfg.target, rep.step))
+            reports.append(rep)
+        finally:
+            prep.close()
+    return _combine(local_dir, reports)
+
+
+def _combine(local_dir, reports: list[MergeReport]) -> MergeReport:
+    if len(reports) == 1:
+        return reports[0]
+    top = MergeReport(source=str(local_dir), format=reports[0].format, reason="several roles")
+    top.roles = {r.role or str(i): r for i, r in enumerate(reports)}
+    top.tensors = sum(r.tensors for r in reports)
+    top.bytes = sum(r.bytes for r in reports)
+    top.seconds = max(r.seconds for r in reports)
+    return top
+
+
+def merge(
+    local_dir: str | os.PathLike,
+    target_dir: str | os.PathLike | None = None,
+    config: MergeConfig | None = None,
+    **overrides: Any,
+) -> MergeReport:
+    """Merge a sharded checkpoint into a HuggingFace model directory.
+
+    Args:
+        local_dir: checkpoint folder or file, or a run root (``latest_checkpointed_iteration.txt``), or a verl step
+            folder holding ``actor/`` and ``critic/`` (both merged, into ``target_dir/<role>``, unless ``role``).
+        target_dir: output folder; default from ``config.target`` beside the source (``actor`` -> ``actor_hf``).
+        config: options; ``overrides`` are :class:`MergeConfig` fields applied on top.
+
+    Returns:
+        a :class:`MergeReport` (with ``roles`` when several roles were merged).
+
+    Raises:
+        SourceError, UnsupportedSourceError, PickleRefusedError: bad or unsupported input (nothing written).
+        ConfigNotFoundError, ConversionError, DtypeError: the HF side does not fit (nothing written).
+        TargetError, DiskSpaceError: the target cannot be written.
+        MergeInterrupted: SIGTERM during the merge (temporary output removed).
+    """
+    cfg = _resolve_config(config, overrides)
+    _configure_logging(cfg)
+    locs = locate(local_dir, cfg.backend, cfg.role)
+    reports = []
+    for loc in locs:
+        if target_dir is not None:
+            target = Path(target_dir) / loc.role if (len(locs) > 1 and loc.role) else Path(target_dir)
+        else:
+            target = default_target(loc.path, cfg.target, loc.step)
+        reports.append(_merge_one(loc, target, cfg))
+    rep = _combine(local_dir, reports)
+    if len(reports) > 1 and target_dir is not None:
+        rep.target = str(target_dir)
+    if cfg.upload_repo:
+        from .hub import upload
+
+        upload(Path(rep.target), cfg.upload_repo, cfg.private)
+    return rep
+
+
+def _progress_enabled(cfg: MergeConfig) -> bool:
+    if cfg.quiet:
+        return False
+    if cfg.progress is not None:
+        return cfg.progress
+    return sys.stderr.isatty()
+
+
+def _configure_logging(cfg: MergeConfig) -> None:
+    if cfg.quiet:
+        log.setLevel(logging.WARNING)
+
+
+def _merge_one(loc: Located, target: Path, cfg: MergeConfig) -> MergeReport:
+    started = time.perf_counter()
+    staging = Staging(target, overwrite=cfg.overwrite, protected=[loc.path])
+    staging.check_target()
+    prep = _prepare(loc, cfg)
+    try:
+        rep = _report_from(prep, started)
+        rep.target = str(staging.target)
+        for n in prep.notes:
+            log.info("%s: %s", loc.path.name, n)
+        total = sum(f.size for f in prep.files)
+        workers = _workers(cfg)
+        block = _block_bytes(cfg, workers)
+        stats = CastStats()
+        bar = None
+        if _progress_enabled(cfg):
+            from tqdm import tqdm
+
+            bar = tqdm(total=rep.bytes, unit="B", unit_scale=True, unit_divisor=1024, desc=f"merging {loc.path.name}", file=sys.stderr)
+        device = cfg.device
+        if device != "cpu":
+            _limit_cuda(device, cfg.cuda_memory_fraction)
+        with terminate_as_exception(), staging:
+            staging.check_space(total)
+            write_files(prep.files, staging.tmp, workers, block, stats, bar.update if bar else None, device)
+            if len(prep.files) > 1:
+                write_json(staging.tmp / "model.safetensors.index.json", index_json(prep.files))
+            exp = prep.exp
+            if exp.config_dir is not None:
+                rep.copied = copy_hf_files(exp.config_dir, staging.tmp, cfg.trust_remote_code)
+                updates = {"num_labels": 1} if cfg.is_value_model else None
+                write_config(exp.config_dir, staging.tmp, rep.dtype or "float32", exp.architecture, updates)
+                rep.copied.insert(0, "config.json")
+            rep.nonfinite = {k: v for k, v in stats.nonfinite.items() if v}
+            rep.seconds = time.perf_counter() - started
+            write_json(staging.tmp / MANIFEST, _manifest(rep, prep))
+            staging.publish()
+        if bar is not None:
+            bar.close()
+        if rep.nonfinite:
+            log.warning("%d tensors hold non-finite values (passed through): %s", len(rep.nonfinite), ", ".join(list(rep.nonfinite)[:5]))
+        log.info("merged %s -> %s: %d tensors, %.2f GB in %.1f s", loc.path, target, rep.tensors, rep.bytes / 1e9, rep.seconds)
+        return rep
+    finally:
+        prep.close()
+
+
+def _limit_cuda(device: str, fraction: float) -> None:
+    dev = torch.device(device)
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    torch.cuda.set_per_process_memory_fraction(fraction, index)
+
+
+def _manifest(rep: MergeReport, prep: _Prepared) -> dict:
+    return {
+        "schema_version": MANIFEST_SCHEMA,
+        "source": rep.source,
+        "format": rep.format,
+        "role": rep.role,
+        "world_size": rep.world_size,
+        "mesh": rep.mesh,
+        "step": rep.step,
+        "dtype": rep.dtype,
+        "architecture": rep.architecture,
+        "tensors": rep.tensors,
+        "bytes": rep.bytes,
+        "files": rep.files + ([] if len(rep.files) == 1 else ["model.safetensors.index.json"]),
+        "nonfinite": rep.nonfinite,
+        "notes": rep.notes,
+        "seconds": round(rep.seconds, 3),
+        "shardmerge_version": __version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }

@@ -1,0 +1,425 @@
+"""The streaming safetensors writer: planned shards, bounded buffers, atomic publish.
+
+Why our own writer: ``safetensors.torch.save_file`` needs every tensor of a file in memory at once. The safetensors
+format is simple enough to plan ahead: an 8-byte little-endian header length N, N bytes of JSON header
+(``{name: {"dtype", "shape", "data_offsets": [begin, end]}}`` plus ``"__metadata__"``, padded with spaces to a
+multiple of 8), then the tensor bytes back to back, row-major, little-endian. So every output file's header is
+computed from metadata, the file is sized up front, and row blocks of every tensor are written at their offsets by
+several threads, each block read, assembled and cast in a buffer of bounded size.
+
+Assignment of tensors to ``model-0000K-of-0000N.safetensors`` files is huggingface_hub's
+``split_torch_state_dict_into_shards`` (the same as ``save_pretrained``), fed meta tensors.
+
+Output directories are built under a temporary sibling ``.<target>.partial-<pid>`` and renamed into place only
+when complete (see :class:`Staging`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import signal
+import socket
+import struct
+import threading
+import time
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+import torch
+
+from .errors import DiskSpaceError, DtypeError, ShardMergeError, TargetError
+from .formats.base import TensorSource, iter_row_blocks
+
+log = logging.getLogger("shardmerge")
+
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
+}
+
+MANIFEST = "shardmerge.json"
+OWNER_FILE = ".shardmerge-owner"
+
+
+@dataclass(eq=False)
+class OutTensor:
+    """One tensor to write: HF ``name``, lazy ``source`` and output ``dtype``."""
+
+    name: str
+    source: TensorSource
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.source.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass
+class PlannedFile:
+    """One output file: its name, tensors with byte ranges relative to the data section, and its header."""
+
+    name: str
+    entries: list[tuple[OutTensor, int, int]]
+    header: bytes
+
+    @property
+    def data_start(self) -> int:
+        return 8 + len(self.header)
+
+    @property
+    def size(self) -> int:
+        return self.data_start + (self.entries[-1][2] if self.entries else 0)
+
+
+def plan_files(tensors: list[OutTensor], max_shard_bytes: int) -> list[PlannedFile]:
+    """Assign tensors to files under ``max_shard_bytes`` (bytes of tensor data per file) and build each header.
+
+    Raises:
+        ShardMergeError: a dtype safetensors cannot store.
+    """
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    by_name = {t.name: t for t in tensors}
+    metas = {t.name: torch.empty(t.shape, dtype=t.dtype, device="meta") for t in tensors}
+    split = split_torch_state_dict_into_shards(
+        metas, filename_pattern="model{suffix}.safetensors", max_shard_size=max_shard_bytes
+    )
+    files = []
+    for fname, names in split.filename_to_tensors.items():
+        # Widest items first so every tensor's data starts aligned to its item size.
+        ordered = sorted((by_name[n] for n in names), key=lambda t: -t.dtype.itemsize)
+        entries, off, header = [], 0, {"__metadata__": {"format": "pt"}}
+        for t in ordered:
+            if t.dtype not in SAFETENSORS_DTYPES:
+                raise ShardMergeError(f"{t.name}: dtype {t.dtype} cannot be stored in safetensors")
+            entries.append((t, off, off + t.nbytes))
+            header[t.name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + t.nbytes]}
+            off += t.nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        files.append(PlannedFile(fname, entries, raw))
+    return files
+
+
+def index_json(files: list[PlannedFile]) -> dict:
+    """``model.safetensors.index.json`` content: ``total_size`` in bytes of tensor data, ``total_parameters``."""
+    weight_map = {t.name: f.name for f in files for t, _, _ in f.entries}
+    total = sum(t.nbytes for f in files for t, _, _ in f.entries)
+    params = sum(math.prod(t.shape) for f in files for t, _, _ in f.entries)
+    return {"metadata": {"total_parameters": params, "total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+
+
+@dataclass
+class CastStats:
+    """Counts gathered while casting: non-finite values passed through, per tensor name."""
+
+    nonfinite: dict[str, int] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+
+def cast_block(name: str, block: torch.Tensor, dtype: torch.dtype, stats: CastStats) -> torch.Tensor:
+    """Cast one block to ``dtype``; count non-finite source values; refuse finite values that would overflow.
+
+    Raises:
+        DtypeError: a finite source value becomes ±inf in ``dtype`` (e.g. beyond float16's 65504).
+    """
+    out = block if block.dtype == dtype else block.to(dtype)
+    if dtype.is_floating_point and out.numel() and not bool(torch.isfinite(out).all()):
+        src_bad = ~torch.isfinite(block) if block.dtype.is_floating_point else torch.zeros_like(out, dtype=torch.bool)
+        overflow = int((~torch.isfinite(out) & ~src_bad).sum())
+        if overflow:
+            finite = block[~src_bad]
+            peak = float(finite.abs().max()) if finite.numel() else float("nan")
+            raise DtypeError(
+                f"{name}: {overflow} finite value(s) (largest |x| = {peak:.6g}) exceed the range of {str(dtype).replace('torch.', '')}; "
+                "choose --dtype bfloat16, float32 or source"
+            )
+        with stats.lock:
+            stats.nonfinite[name] = stats.nonfinite.get(name, 0) + int(src_bad.sum())
+    return out
+
+
+def _pwrite_all(fd: int, data: torch.Tensor, offset: int) -> None:
+    view = memoryview(data.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    done = 0
+    while done < len(view):
+        n = os.pwrite(fd, view[done:], offset + done)
+        if n <= 0:
+            raise OSError("short write")
+        done += n
+
+
+def write_files(
+    files: list[PlannedFile],
+    folder: Path,
+    workers: int,
+    block_bytes: int,
+    stats: CastStats,
+    progress: Callable[[int], None] | None = None,
+    device: str = "cpu",
+) -> None:
+    """Write every planned file into ``folder``, streaming row blocks of about ``block_bytes`` source bytes.
+
+    At most ``workers + 1`` blocks are in flight; each block is read from its sources, cast (on ``device``) and
+    written at its offset with ``pwrite``. Files are fsynced before returning.
+
+    Raises:
+        whatever a source raises (:class:`SourceError`, ...), :class:`DtypeError`, ``OSError`` (e.g. ENOSPC).
+    """
+    fds: list[int] = []
+    try:
+        jobs = []
+        for f in files:
+            fd = os.open(folder / f.name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+            fds.append(fd)
+            os.ftruncate(fd, f.size)
+            hdr = struct.pack("<Q", len(f.header)) + f.header
+            os.pwrite(fd, hdr, 0)
+            for t, begin, _ in f.entries:
+                jobs.append((fd, f.data_start + begin, t))
+        _run_blocks(jobs, workers, block_bytes, stats, progress, device)
+        for fd in fds:
+            os.fsync(fd)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _blocks(jobs, block_bytes: int) -> Iterable[tuple]:
+    for fd, base, t in jobs:
+        src_item = t.source.dtype.itemsize
+        row_out = math.prod(t.shape[1:]) * t.dtype.itemsize if t.shape else t.dtype.itemsize
+        for box in iter_row_blocks(t.shape, src_item, block_bytes):
+            yield fd, (base + box[0][0] * row_out) if box else base, t, box
+
+
+def _run_blocks(jobs, workers: int, block_bytes: int, stats: CastStats, progress, device: str) -> None:
+    def one(fd: int, offset: int, t: OutTensor, box) -> int:
+        data = t.source.read(box)
+        if device != "cpu":
+            data = data.to(device, non_blocking=False)
+        out = cast_block(t.name, data, t.dtype, stats)
+        if out.device.type != "cpu":
+            out = out.cpu()
+        _pwrite_all(fd, out, offset)
+        return out.numel() * out.dtype.itemsize
+
+    if workers <= 1:
+        for args in _blocks(jobs, block_bytes):
+            n = one(*args)
+            if progress:
+                progress(n)
+        return
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="shardmerge-io") as ex:
+        pending: set = set()
+        try:
+            for args in _blocks(jobs, block_bytes):
+                if len(pending) > workers:
+                    done, pending = wait(pending, return_when=FIRST_COMPLETED)
+                    for fut in done:
+                        n = fut.result()
+                        if progress:
+                            progress(n)
+                pending.add(ex.submit(one, *args))
+            for fut in pending:
+                n = fut.result()
+                if progress:
+                    progress(n)
+        except BaseException:
+            for fut in pending:
+                fut.cancel()
+            raise
+
+
+def fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class Staging:
+    """The life of one output directory: temporary sibling, cleanup, atomic publish.
+
+    * the output is built in ``<parent>/.<name>.partial-<pid>`` holding an owner file (host, pid);
+    * on entry, temporary siblings of dead processes on this host are removed; one of a live process (or of
+      another host) makes this merge refuse, since two writers would race;
+    * :meth:`publish` fsyncs, removes the owner file, renames the folder onto the target (a non-empty target is
+      moved aside first, only with ``overwrite``) and fsyncs the parent;
+    * on any exception (SIGINT/SIGTERM included, see :func:`terminate_as_exception`) the temporary folder is removed.
+
+    A complete output always holds the manifest ``shardmerge.json``, written last.
+    """
+
+    def __init__(self, target: Path, overwrite: bool = False, protected: Iterable[Path] = ()):
+        self.target = Path(os.path.abspath(target))
+        self.overwrite = overwrite
+        self.protected = [Path(os.path.abspath(p)) for p in protected]
+        self.tmp = self.target.parent / f".{self.target.name}.partial-{os.getpid()}"
+        self.published = False
+
+    def check_target(self) -> None:
+        """Raise :class:`TargetError` for a target that overlaps the source or exists without ``overwrite``."""
+        t = self.target
+        for p in self.protected:
+            if t == p or p in t.parents or t in p.parents:
+                raise TargetError(f"target {t} overlaps the source {p}; choose a folder outside the checkpoint")
+        if t.exists():
+            if not t.is_dir():
+                raise TargetError(f"target {t} exists and is not a directory")
+            if any(t.iterdir()) and not self.overwrite:
+                raise TargetError(f"target {t} exists and is not empty; pass --overwrite to replace it")
+
+    def __enter__(self) -> "Staging":
+        self.check_target()
+        parent = self.target.parent
+        parent.mkdir(parents=True, exist_ok=True)
+        self._clean_stale()
+        try:
+            self.tmp.mkdir()
+        except FileExistsError:
+            shutil.rmtree(self.tmp)
+            self.tmp.mkdir()
+        (self.tmp / OWNER_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}))
+        busy = self._live_siblings()
+        if busy:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            raise TargetError(f"target {self.target} is being written by another process ({busy[0]})")
+        return self
+
+    def _siblings(self) -> list[Path]:
+        prefix = f".{self.target.name}.partial-"
+        return [p for p in self.target.parent.iterdir() if p.name.startswith(prefix) and p != self.tmp]
+
+    def _owner(self, p: Path) -> tuple[str | None, int | None]:
+        try:
+            info = json.loads((p / OWNER_FILE).read_text())
+            return info.get("host"), int(info.get("pid"))
+        except (OSError, ValueError, TypeError):
+            suffix = p.name.rsplit("-", 1)[-1]
+            return None, int(suffix) if suffix.isdigit() else None
+
+    def _clean_stale(self) -> None:
+        me = socket.gethostname()
+        for p in self._siblings():
+            host, pid = self._owner(p)
+            if (host in (None, me)) and (pid is None or not _pid_alive(pid) or pid == os.getpid()):
+                log.info("removing stale temporary folder %s (process %s is gone)", p, pid)
+                shutil.rmtree(p, ignore_errors=True)
+
+    def _live_siblings(self) -> list[str]:
+        me = socket.gethostname()
+        out = []
+        for p in self._siblings():
+            host, pid = self._owner(p)
+            if host not in (None, me):
+                out.append(f"{p.name}, host {host} pid {pid}; remove it if that merge is dead")
+            elif pid is not None and _pid_alive(pid):
+                out.append(f"{p.name}, pid {pid}")
+        return out
+
+    def check_space(self, nbytes: int) -> None:
+        """Raise :class:`DiskSpaceError` when the target filesystem has less than ``nbytes`` (+1%) free."""
+        free = shutil.disk_usage(self.tmp).free
+        need = int(nbytes * 1.01) + (16 << 20)
+        if free < need:
+            raise DiskSpaceError(
+                f"not enough disk space for {self.target}: {need / 1e9:.2f} GB needed, {free / 1e9:.2f} GB free"
+            )
+
+    def publish(self) -> None:
+        (self.tmp / OWNER_FILE).unlink(missing_ok=True)
+        for p in self.tmp.rglob("*"):
+            if p.is_file():
+                with open(p, "rb") as f:
+                    os.fsync(f.fileno())
+        fsync_dir(self.tmp)
+        old = None
+        if self.target.exists():
+            if any(self.target.iterdir()):
+                if not self.overwrite:
+                    raise TargetError(f"target {self.target} appeared while merging; pass --overwrite to replace it")
+                old = self.target.parent / f".{self.target.name}.old-{os.getpid()}"
+                os.rename(self.target, old)
+            else:
+                self.target.rmdir()
+        os.rename(self.tmp, self.target)
+        fsync_dir(self.target.parent)
+        self.published = True
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if not self.published:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        return False
+
+
+class MergeInterrupted(ShardMergeError):
+    """SIGTERM arrived during a merge; the temporary output was removed."""
+
+    exit_code = 130
+
+
+class terminate_as_exception:
+    """While active (main thread only), SIGTERM raises :class:`MergeInterrupted` so cleanup code runs.
+
+    SIGINT already raises ``KeyboardInterrupt``. Previous handlers are restored on exit.
+    """
+
+    def __enter__(self):
+        self._prev = None
+        if threading.current_thread() is threading.main_thread():
+            def handler(signum, frame):
+                raise MergeInterrupted(f"interrupted by signal {signum}; temporary output removed")
+
+            try:
+                self._prev = signal.signal(signal.SIGTERM, handler)
+            except ValueError:
+                self._prev = None
+        return self
+
+    def __exit__(self, *exc):
+        if self._prev is not None:
+            signal.signal(signal.SIGTERM, self._prev)
+        return False
+
