@@ -187,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     _setup_logging(getattr(args, "quiet", False))
+    # I/O threads hand the GIL back and forth around every read, cast and write; a short switch interval keeps
+    # them from waiting behind Python-heavy work (imports, model building) in other threads of this process.
+    sys.setswitchinterval(0.0005)
     try:
         return _dispatch(args, parser)
     except ShardMergeError as e:

@@ -12,9 +12,11 @@ Flow of one merge:
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -27,13 +29,14 @@ import torch
 
 from . import __version__
 from .config import MergeConfig
-from .convert import convert
-from .convert.expected import ExpectedModel, build_expected
+from .convert import Converted, convert
+from .convert.expected import ExpectedModel, build_expected, cached_expected, expected_via_subprocess, store_expected
+from .convert.hf import same_plan, speculate_hf_named, strip_wrappers
 from .errors import ConfigNotFoundError, ShardMergeError
 from .formats import Located, locate, open_reader
 from .formats.base import FilePool, SourceCheckpoint
 from .hfdir import copy_hf_files, find_config_dir, write_config, write_json
-from .writer import MANIFEST, CastStats, OutTensor, PlannedFile, Staging, index_json, plan_files, terminate_as_exception, write_files
+from .writer import MANIFEST, OWNER_FILE, CastStats, OutTensor, PlannedFile, Staging, WriteCancelled, index_json, plan_files, terminate_as_exception, write_files
 
 log = logging.getLogger("shardmerge")
 
@@ -103,8 +106,14 @@ def default_target(src: Path, template: str = "{stem}_hf", step: int | None = No
     return p if p.is_absolute() else src.parent / p
 
 
-class _Prepared:
-    """Everything known before writing: the located source, what was read, the HF side and the plan."""
+class _Plan:
+    """Everything known before writing: the located source, what was read, the HF side and the file plan.
+
+    The expected model (meta device, transformers' model code) is built in a thread started before the reader
+    runs. When it is not ready once the reader is done, the plan is *speculative*: made from the checkpoint and
+    the raw ``config.json`` (:func:`speculate_hf_named`) so writing can start; :meth:`confirm` later compares it
+    with the exact conversion and replaces it if they differ (the caller then writes again).
+    """
 
     def __init__(self, loc: Located, cfg: MergeConfig):
         self.loc = loc
@@ -112,82 +121,162 @@ class _Prepared:
         self.pool = FilePool()
         self.ckpt: SourceCheckpoint | None = None
         self.exp: ExpectedModel | None = None
+        self.converted: Converted | None = None
+        self.speculative = False
+        self.confirmed = False
         self.out: list[OutTensor] = []
         self.files: list[PlannedFile] = []
         self.notes: list[str] = []
+        self._thread: threading.Thread | None = None
+        self._holder: dict[str, Any] = {}
+        self._config_error: ShardMergeError | None = None
+        self.config_dir: Path | None = None
+        self.raw_config: dict | None = None
+
+    # -- the expected model -------------------------------------------------------------------------------
+    def start_expected(self, use_child: bool = False) -> None:
+        try:
+            self.config_dir = find_config_dir(self.loc.path, self.cfg.hf_model_config_path)
+        except ConfigNotFoundError as e:
+            self._config_error = e
+            return
+        try:
+            self.raw_config = json.loads((self.config_dir / "config.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            self.raw_config = None  # load_config reports it with the file name
+
+        cached = None if self.cfg.trust_remote_code else cached_expected(self.config_dir, self.cfg.is_value_model)
+        if cached is not None and not cached.has_conversion:
+            self.exp = cached
+            return
+
+        in_child = use_child and not self.cfg.trust_remote_code and not _moe_like(self.raw_config)
+
+        def build() -> None:
+            try:
+                exp = None
+                if in_child:
+                    try:
+                        exp = expected_via_subprocess(self.config_dir, self.cfg.is_value_model)
+                    except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+                        log.debug("expected-model helper process failed (%s); building in-process", e)
+                if exp is None:
+                    exp = build_expected(self.config_dir, self.cfg.trust_remote_code, self.cfg.is_value_model)
+                    if not self.cfg.trust_remote_code:
+                        store_expected(exp, self.cfg.is_value_model)
+                self._holder["exp"] = exp
+            except BaseException as e:  # re-raised in the caller's thread
+                self._holder["err"] = e
+
+        self._thread = threading.Thread(target=build, name="shardmerge-expected", daemon=True)
+        self._thread.start()
+
+    def expected_ready(self) -> bool:
+        return (
+            self.exp is not None
+            or self._config_error is not None
+            or (self._thread is not None and not self._thread.is_alive())
+        )
+
+    def expected(self) -> ExpectedModel:
+        if self.exp is None:
+            if self._config_error is not None:
+                raise self._config_error
+            self._thread.join()
+            if "err" in self._holder:
+                raise self._holder["err"]
+            self.exp = self._holder["exp"]
+        if self.exp.model is None and self.exp.has_conversion:
+            # Converting fused layouts uses transformers' conversion rules, which need the model object.
+            self.exp = build_expected(self.config_dir, self.cfg.trust_remote_code, self.cfg.is_value_model)
+        return self.exp
+
+    def oracle(self, name: str):
+        exp = self.expected()
+        n = strip_wrappers(name)
+        if n in exp.in_memory:
+            return exp.in_memory[n]
+        i = n.find(".")
+        while i != -1:
+            if n[i + 1 :] in exp.in_memory:
+                return exp.in_memory[n[i + 1 :]]
+            i = n.find(".", i + 1)
+        return None
+
+    # -- planning -----------------------------------------------------------------------------------------
+    def prepare(self, allow_speculation: bool = True) -> None:
+        self.start_expected(use_child=allow_speculation)
+        reader = open_reader(self.loc)
+        self.ckpt = reader(self.loc.path, self.pool, self.oracle, trust_pickle=self.cfg.trust_pickle, check_replicas=self.cfg.check_replicas)
+        spec = None
+        if allow_speculation and not self.expected_ready() and self.cfg.tie_word_embedding is None:
+            spec = speculate_hf_named(self.ckpt, self.raw_config)
+        if spec is not None:
+            self.speculative = True
+            self._adopt(spec)
+        else:
+            self._adopt(convert(self.ckpt, self.expected(), self.cfg))
+            self.confirmed = True
+
+    def _adopt(self, converted: Converted) -> None:
+        self.converted = converted
+        self.notes = list(self.ckpt.notes) + converted.notes
+        self.out = []
+        narrowed: Counter = Counter()
+        for name, src in converted.tensors.items():
+            dt = output_dtype(self.cfg.dtype, src.dtype)
+            if dt != src.dtype and src.dtype.itemsize > dt.itemsize:
+                narrowed[(_dtype_name(src.dtype), _dtype_name(dt))] += 1
+            self.out.append(OutTensor(name, src, dt))
+        for (a, b), n in narrowed.items():
+            self.notes.append(f"narrowing {a} -> {b} for {n} tensors (--dtype {self.cfg.dtype}; use --dtype source to keep {a})")
+        self.files = plan_files(self.out, self.cfg.max_shard_bytes)
+
+    def confirm(self) -> bool:
+        """Check a speculative plan against the exact conversion; adopt the exact one if they differ.
+
+        Returns:
+            True when the plan already written stands; False when it was replaced (write again).
+
+        Raises:
+            ConversionError etc.: the exact conversion fails (the checkpoint does not fit the model).
+        """
+        if self.confirmed:
+            return True
+        exact = convert(self.ckpt, self.expected(), self.cfg)
+        self.confirmed = True
+        if same_plan(exact, self.converted):
+            self.notes = list(self.ckpt.notes) + exact.notes + [n for n in self.notes if n.startswith("narrowing")]
+            return True
+        log.info("%s: the plan made before the model check differs from the exact one; writing again", self.loc.path.name)
+        self._adopt(exact)
+        return False
 
     def close(self) -> None:
         self.pool.close()
 
 
-def _prepare(loc: Located, cfg: MergeConfig, config_override: Any = None) -> _Prepared:
-    prep = _Prepared(loc, cfg)
+def _moe_like(raw: dict | None) -> bool:
+    """Configs whose in-memory layout differs from the on-disk one (fused experts) need the model object."""
+    if not raw:
+        return False
+    keys = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
+    return any(raw.get(k) for k in keys) or any((raw.get("text_config") or {}).get(k) for k in keys)
+
+
+def _prepare(loc: Located, cfg: MergeConfig, allow_speculation: bool = False) -> _Plan:
+    plan = _Plan(loc, cfg)
     try:
-        config_dir: Path | None = None
-        config_error: ShardMergeError | None = None
-        try:
-            config_dir = find_config_dir(loc.path, cfg.hf_model_config_path)
-        except ConfigNotFoundError as e:
-            config_error = e
-
-        holder: dict[str, Any] = {}
-
-        def build() -> None:
-            try:
-                holder["exp"] = build_expected(config_dir, cfg.trust_remote_code, cfg.is_value_model)
-            except BaseException as e:  # handed to the caller thread
-                holder["err"] = e
-
-        thread = None
-        if config_dir is not None:
-            thread = threading.Thread(target=build, name="shardmerge-expected", daemon=True)
-            thread.start()
-
-        def expected() -> ExpectedModel:
-            if config_error is not None:
-                raise config_error
-            thread.join()
-            if "err" in holder:
-                raise holder["err"]
-            return holder["exp"]
-
-        def oracle(name: str):
-            from .convert.hf import strip_wrappers
-
-            exp = expected()
-            n = strip_wrappers(name)
-            if n in exp.in_memory:
-                return exp.in_memory[n]
-            i = n.find(".")
-            while i != -1:
-                if n[i + 1 :] in exp.in_memory:
-                    return exp.in_memory[n[i + 1 :]]
-                i = n.find(".", i + 1)
-            return None
-
-        reader = open_reader(loc)
-        prep.ckpt = reader(loc.path, prep.pool, oracle, trust_pickle=cfg.trust_pickle, check_replicas=cfg.check_replicas)
-        prep.exp = expected()
-        converted = convert(prep.ckpt, prep.exp, cfg)
-        prep.notes = list(prep.ckpt.notes) + converted.notes
-        narrowed = Counter()
-        for name, src in converted.tensors.items():
-            dt = output_dtype(cfg.dtype, src.dtype)
-            if dt != src.dtype and src.dtype.itemsize > dt.itemsize:
-                narrowed[(_dtype_name(src.dtype), _dtype_name(dt))] += 1
-            prep.out.append(OutTensor(name, src, dt))
-        for (a, b), n in narrowed.items():
-            prep.notes.append(f"narrowing {a} -> {b} for {n} tensors (--dtype {cfg.dtype}; use --dtype source to keep {a})")
-        prep.files = plan_files(prep.out, cfg.max_shard_bytes)
-        return prep
+        plan.prepare(allow_speculation)
+        return plan
     except BaseException:
-        prep.close()
+        plan.close()
         raise
 
 
 def _block_bytes(cfg: MergeConfig, workers: int) -> int:
-    # Per block in flight: the source bytes, an assembly buffer when pieces meet, and the cast output.
-    per = cfg.memory_budget_bytes // ((workers + 1) * 3)
+    # Each worker thread owns a source buffer (one block) and a cast buffer (at most one block).
+    per = cfg.memory_budget_bytes // (workers * 2)
     return int(min(max(per, 1 << 20), 512 << 20))
 
 
@@ -195,8 +284,8 @@ def _workers(cfg: MergeConfig) -> int:
     return cfg.workers or min(4, os.cpu_count() or 1)
 
 
-def _report_from(prep: _Prepared, started: float) -> MergeReport:
-    ckpt, exp, loc, cfg = prep.ckpt, prep.exp, prep.loc, prep.cfg
+def _report_from(prep: _Plan, started: float) -> MergeReport:
+    ckpt, exp, loc, cfg = prep.ckpt, prep.expected(), prep.loc, prep.cfg
     out_dtypes = Counter(_dtype_name(t.dtype) for t in prep.out if t.dtype.is_floating_point)
     return MergeReport(
         source=str(loc.path),
@@ -250,7 +339,7 @@ def inspect(local_dir: str | os.PathLike, config: MergeConfig | None = None, **o
         try:
             rep = _report_from(prep, started)
             workers = _workers(cfg)
-            rep.predicted_peak_bytes = psutil.Process().memory_info().rss + (workers + 1) * 3 * _block_bytes(cfg, workers)
+            rep.predicted_peak_bytes = psutil.Process().memory_info().rss + workers * 2 * _block_bytes(cfg, workers)
             rep.planned = [{"file": f.name, "tensors": len(f.entries), "bytes": f.size} for f in prep.files]
             rep.target = str(default_target(loc.path, cfg.target, rep.step))
             reports.append(rep)
@@ -330,30 +419,45 @@ def _merge_one(loc: Located, target: Path, cfg: MergeConfig) -> MergeReport:
     started = time.perf_counter()
     staging = Staging(target, overwrite=cfg.overwrite, protected=[loc.path])
     staging.check_target()
-    prep = _prepare(loc, cfg)
+    prep = _prepare(loc, cfg, allow_speculation=True)
+    bar = None
     try:
-        rep = _report_from(prep, started)
-        rep.target = str(staging.target)
-        for n in prep.notes:
-            log.info("%s: %s", loc.path.name, n)
-        total = sum(f.size for f in prep.files)
         workers = _workers(cfg)
         block = _block_bytes(cfg, workers)
         stats = CastStats()
-        bar = None
         if _progress_enabled(cfg):
             from tqdm import tqdm
 
-            bar = tqdm(total=rep.bytes, unit="B", unit_scale=True, unit_divisor=1024, desc=f"merging {loc.path.name}", file=sys.stderr)
-        device = cfg.device
-        if device != "cpu":
-            _limit_cuda(device, cfg.cuda_memory_fraction)
+            bar = tqdm(total=sum(t.nbytes for t in prep.out), unit="B", unit_scale=True, unit_divisor=1024,
+                       desc=f"merging {loc.path.name}", file=sys.stderr)
+        if cfg.device != "cpu":
+            _limit_cuda(cfg.device, cfg.cuda_memory_fraction)
+
+        def cancelled() -> bool:
+            # Polled between blocks: once the expected model is ready, check a speculative plan.
+            return prep.speculative and not prep.confirmed and prep.expected_ready() and not prep.confirm()
+
         with terminate_as_exception(), staging:
-            staging.check_space(total)
-            write_files(prep.files, staging.tmp, workers, block, stats, bar.update if bar else None, device)
+            staging.check_space(sum(f.size for f in prep.files))
+            while True:
+                try:
+                    write_files(prep.files, staging.tmp, workers, block, stats, bar.update if bar else None, cfg.device, cancelled)
+                except WriteCancelled:
+                    pass
+                else:
+                    if prep.confirm():
+                        break
+                _clear(staging.tmp)
+                stats = CastStats()
+                if bar is not None:
+                    bar.reset(total=sum(t.nbytes for t in prep.out))
+            rep = _report_from(prep, started)
+            rep.target = str(staging.target)
+            for n in prep.notes:
+                log.info("%s: %s", loc.path.name, n)
             if len(prep.files) > 1:
                 write_json(staging.tmp / "model.safetensors.index.json", index_json(prep.files))
-            exp = prep.exp
+            exp = prep.expected()
             if exp.config_dir is not None:
                 rep.copied = copy_hf_files(exp.config_dir, staging.tmp, cfg.trust_remote_code)
                 updates = {"num_labels": 1} if cfg.is_value_model else None
@@ -363,14 +467,20 @@ def _merge_one(loc: Located, target: Path, cfg: MergeConfig) -> MergeReport:
             rep.seconds = time.perf_counter() - started
             write_json(staging.tmp / MANIFEST, _manifest(rep, prep))
             staging.publish()
-        if bar is not None:
-            bar.close()
         if rep.nonfinite:
             log.warning("%d tensors hold non-finite values (passed through): %s", len(rep.nonfinite), ", ".join(list(rep.nonfinite)[:5]))
         log.info("merged %s -> %s: %d tensors, %.2f GB in %.1f s", loc.path, target, rep.tensors, rep.bytes / 1e9, rep.seconds)
         return rep
     finally:
+        if bar is not None:
+            bar.close()
         prep.close()
+
+
+def _clear(folder: Path) -> None:
+    for p in folder.iterdir():
+        if p.name != OWNER_FILE:
+            p.unlink()
 
 
 def _limit_cuda(device: str, fraction: float) -> None:
@@ -379,7 +489,7 @@ def _limit_cuda(device: str, fraction: float) -> None:
     torch.cuda.set_per_process_memory_fraction(fraction, index)
 
 
-def _manifest(rep: MergeReport, prep: _Prepared) -> dict:
+def _manifest(rep: MergeReport, prep: _Plan) -> dict:
     return {
         "schema_version": MANIFEST_SCHEMA,
         "source": rep.source,

@@ -140,26 +140,31 @@ class CastStats:
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
 
-def cast_block(name: str, block: torch.Tensor, dtype: torch.dtype, stats: CastStats) -> torch.Tensor:
-    """Cast one block to ``dtype``; count non-finite source values; refuse finite values that would overflow.
+def check_cast(name: str, src: torch.Tensor, out: torch.Tensor, stats: CastStats) -> None:
+    """Check a cast block: count non-finite source values; refuse finite values that overflowed.
+
+    ``torch.aminmax`` (one fast pass, NaN-propagating) proves the common all-finite case; only blocks holding
+    non-finite output values are examined element-wise.
 
     Raises:
-        DtypeError: a finite source value becomes ±inf in ``dtype`` (e.g. beyond float16's 65504).
+        DtypeError: a finite source value became ±inf in ``out.dtype`` (e.g. beyond float16's 65504).
     """
-    out = block if block.dtype == dtype else block.to(dtype)
-    if dtype.is_floating_point and out.numel() and not bool(torch.isfinite(out).all()):
-        src_bad = ~torch.isfinite(block) if block.dtype.is_floating_point else torch.zeros_like(out, dtype=torch.bool)
-        overflow = int((~torch.isfinite(out) & ~src_bad).sum())
-        if overflow:
-            finite = block[~src_bad]
-            peak = float(finite.abs().max()) if finite.numel() else float("nan")
-            raise DtypeError(
-                f"{name}: {overflow} finite value(s) (largest |x| = {peak:.6g}) exceed the range of {str(dtype).replace('torch.', '')}; "
-                "choose --dtype bfloat16, float32 or source"
-            )
-        with stats.lock:
-            stats.nonfinite[name] = stats.nonfinite.get(name, 0) + int(src_bad.sum())
-    return out
+    if not out.dtype.is_floating_point or out.numel() == 0:
+        return
+    lo, hi = torch.aminmax(out)
+    if bool(torch.isfinite(lo)) and bool(torch.isfinite(hi)):
+        return
+    src_bad = ~torch.isfinite(src) if src.dtype.is_floating_point else torch.zeros(src.shape, dtype=torch.bool)
+    overflow = int((~torch.isfinite(out) & ~src_bad).sum())
+    if overflow:
+        finite = src[~src_bad]
+        peak = float(finite.abs().max()) if finite.numel() else float("nan")
+        raise DtypeError(
+            f"{name}: {overflow} finite value(s) (largest |x| = {peak:.6g}) exceed the range of "
+            f"{str(out.dtype).replace('torch.', '')}; choose --dtype bfloat16, float32 or source"
+        )
+    with stats.lock:
+        stats.nonfinite[name] = stats.nonfinite.get(name, 0) + int(src_bad.sum())
 
 
 def _pwrite_all(fd: int, data: torch.Tensor, offset: int) -> None:
@@ -180,11 +185,15 @@ def write_files(
     stats: CastStats,
     progress: Callable[[int], None] | None = None,
     device: str = "cpu",
+    cancelled: Callable[[], bool] | None = None,
 ) -> None:
     """Write every planned file into ``folder``, streaming row blocks of about ``block_bytes`` source bytes.
 
-    At most ``workers + 1`` blocks are in flight; each block is read from its sources, cast (on ``device``) and
-    written at its offset with ``pwrite``. Files are fsynced before returning.
+    ``workers`` threads each own a reused source buffer and cast buffer (no per-block allocation): a block is read
+    from its sources straight into the buffer, cast (on ``device``), checked and written at its offset with
+    ``pwrite``. Files are not pre-sized with ``ftruncate``: on ext4, writing into a truncated (sparse) file ran
+    about 10x slower than letting the writes extend it. ``cancelled()`` is polled between blocks. Files are
+    fsynced before returning.
 
     Raises:
         whatever a source raises (:class:`SourceError`, ...), :class:`DtypeError`, ``OSError`` (e.g. ENOSPC).
@@ -195,59 +204,119 @@ def write_files(
         for f in files:
             fd = os.open(folder / f.name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
             fds.append(fd)
-            os.ftruncate(fd, f.size)
-            hdr = struct.pack("<Q", len(f.header)) + f.header
-            os.pwrite(fd, hdr, 0)
+            os.pwrite(fd, struct.pack("<Q", len(f.header)) + f.header, 0)
             for t, begin, _ in f.entries:
                 jobs.append((fd, f.data_start + begin, t))
-        _run_blocks(jobs, workers, block_bytes, stats, progress, device)
-        for fd in fds:
+        with _Writeback() as wb:
+            _run_blocks(jobs, workers, block_bytes, stats, progress, device, cancelled, wb)
+        for fd, f in zip(fds, files):
+            os.ftruncate(fd, f.size)  # no-op unless the file ends with empty tensors
             os.fsync(fd)
     finally:
         for fd in fds:
             os.close(fd)
 
 
+class _Writeback:
+    """Starts writeback of each output file every ``step`` bytes in a background thread, so that the final
+    fsync (needed before the atomic rename) finds little left to flush: about 0.15 s saved per GB here."""
+
+    def __init__(self, step: int = 256 << 20):
+        self.step = step
+        self.pending: dict[int, int] = {}
+        self.ex = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardmerge-sync")
+
+    def wrote(self, fd: int, n: int) -> None:
+        total = self.pending.get(fd, 0) + n
+        if total >= self.step:
+            self.ex.submit(_fdatasync_quiet, fd)
+            total = 0
+        self.pending[fd] = total
+
+    def __enter__(self) -> "_Writeback":
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.ex.shutdown(wait=True)
+        return False
+
+
+def _fdatasync_quiet(fd: int) -> None:
+    try:
+        os.fdatasync(fd)
+    except OSError:
+        pass  # the final fsync reports real errors
+
+
+class WriteCancelled(Exception):
+    """Raised inside :func:`write_files` when ``cancelled()`` turned true."""
+
+
 def _blocks(jobs, block_bytes: int) -> Iterable[tuple]:
     for fd, base, t in jobs:
-        src_item = t.source.dtype.itemsize
         row_out = math.prod(t.shape[1:]) * t.dtype.itemsize if t.shape else t.dtype.itemsize
-        for box in iter_row_blocks(t.shape, src_item, block_bytes):
+        for box in iter_row_blocks(t.shape, t.source.dtype.itemsize, block_bytes):
             yield fd, (base + box[0][0] * row_out) if box else base, t, box
 
 
-def _run_blocks(jobs, workers: int, block_bytes: int, stats: CastStats, progress, device: str) -> None:
+class _Scratch(threading.local):
+    """Per-thread reusable byte buffers (fresh large allocations cost a page fault per page)."""
+
+    def get(self, slot: str, nbytes: int) -> torch.Tensor:
+        buf = getattr(self, slot, None)
+        if buf is None or buf.numel() < nbytes:
+            buf = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+            setattr(self, slot, buf)
+        return buf[:nbytes]
+
+
+def _run_blocks(jobs, workers: int, block_bytes: int, stats: CastStats, progress, device: str, cancelled, wb: _Writeback) -> None:
+    scratch = _Scratch()
+
     def one(fd: int, offset: int, t: OutTensor, box) -> int:
-        data = t.source.read(box)
+        shape = tuple(b - a for a, b in box)
+        n = math.prod(shape)
+        src_dtype = t.source.dtype
+        src = scratch.get("src", n * src_dtype.itemsize).view(src_dtype).view(shape)
+        t.source.read_into(box, src)
         if device != "cpu":
-            data = data.to(device, non_blocking=False)
-        out = cast_block(t.name, data, t.dtype, stats)
-        if out.device.type != "cpu":
-            out = out.cpu()
+            on_dev = src.to(device)
+            out_dev = on_dev.to(t.dtype)
+            check_cast(t.name, on_dev, out_dev, stats)
+            out = scratch.get("dst", n * t.dtype.itemsize).view(t.dtype).view(shape)
+            out.copy_(out_dev)
+        elif t.dtype == src_dtype:
+            out = src
+        else:
+            out = scratch.get("dst", n * t.dtype.itemsize).view(t.dtype).view(shape)
+            out.copy_(src)
+            check_cast(t.name, src, out, stats)
         _pwrite_all(fd, out, offset)
-        return out.numel() * out.dtype.itemsize
+        return fd, n * t.dtype.itemsize
+
+    def report(result: tuple[int, int]) -> None:
+        fd, n = result
+        wb.wrote(fd, n)
+        if progress:
+            progress(n)
+        if cancelled is not None and cancelled():
+            raise WriteCancelled()
 
     if workers <= 1:
         for args in _blocks(jobs, block_bytes):
-            n = one(*args)
-            if progress:
-                progress(n)
+            report(one(*args))
         return
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="shardmerge-io") as ex:
         pending: set = set()
         try:
             for args in _blocks(jobs, block_bytes):
-                if len(pending) > workers:
+                if len(pending) >= 2 * workers:
                     done, pending = wait(pending, return_when=FIRST_COMPLETED)
                     for fut in done:
-                        n = fut.result()
-                        if progress:
-                            progress(n)
+                        report(fut.result())
                 pending.add(ex.submit(one, *args))
             for fut in pending:
-                n = fut.result()
-                if progress:
-                    progress(n)
+                report(fut.result())
         except BaseException:
             for fut in pending:
                 fut.cancel()

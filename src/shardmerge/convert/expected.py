@@ -8,8 +8,10 @@ per-expert on-disk layout).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,10 +45,25 @@ class ExpectedModel:
     on_disk: dict[str, tuple[int, ...]]
     tied: dict[str, str]
     model: Any = field(repr=False, default=None)
+    from_cache: bool = False
 
     @property
     def tie_word_embeddings(self) -> bool:
         return bool(self.tied)
+
+    @property
+    def has_conversion(self) -> bool:
+        """True when ``save_pretrained`` renames or reshapes in-memory tensors (e.g. fused MoE experts)."""
+        kept = {k: v for k, v in self.in_memory.items() if k not in self.tied}
+        return kept != self.on_disk
+
+    def to_json(self) -> dict:
+        return {
+            "architecture": self.architecture,
+            "in_memory": {k: list(v) for k, v in self.in_memory.items()},
+            "on_disk": {k: list(v) for k, v in self.on_disk.items()},
+            "tied": self.tied,
+        }
 
 
 def load_config(config_dir: Path, trust_remote_code: bool = False) -> Any:
@@ -147,3 +164,136 @@ def build_expected(
     on_disk = {k: tuple(v.shape) for k, v in revert_weight_conversion(model, kept).items()}
     architecture = type(model).__name__
     return ExpectedModel(config, config_dir, architecture, in_memory, on_disk, tied, model)
+
+
+CACHE_SCHEMA = 1
+
+
+def cache_dir() -> Path | None:
+    """Folder of the expected-key-set cache: ``$SHARDMERGE_CACHE_DIR``, else ``$XDG_CACHE_HOME/shardmerge`` or
+    ``~/.cache/shardmerge``; ``SHARDMERGE_CACHE_DIR=""`` disables it."""
+    env = os.environ.get("SHARDMERGE_CACHE_DIR")
+    if env is not None:
+        return Path(env) if env else None
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "shardmerge"
+
+
+def _cache_key(config_dir: Path, is_value_model: bool) -> str | None:
+    try:
+        raw = (config_dir / "config.json").read_bytes()
+    except OSError:
+        return None
+    if b'"auto_map"' in raw:
+        return None  # custom model code may change without the config changing
+    from importlib.metadata import version
+
+    h = hashlib.sha256()
+    for part in (str(CACHE_SCHEMA).encode(), version("transformers").encode(), str(bool(is_value_model)).encode(), raw):
+        h.update(part)
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def cached_expected(config_dir: Path | None, is_value_model: bool = False) -> ExpectedModel | None:
+    """The expected key set saved by an earlier :func:`build_expected` for byte-identical ``config.json``, the same
+    transformers version and the same value-model flag; ``None`` when absent or unreadable.
+
+    A hit skips importing transformers' model code (about 1.5 s), which matters at save time, where every
+    checkpoint of a run has the same config. Models with a conversion (fused MoE) still need the model object and
+    are rebuilt by the caller.
+    """
+    root = cache_dir()
+    if root is None or config_dir is None:
+        return None
+    key = _cache_key(config_dir, is_value_model)
+    if key is None:
+        return None
+    try:
+        data = json.loads((root / f"expected-{key}.json").read_text())
+        return ExpectedModel(
+            config=None,
+            config_dir=config_dir,
+            architecture=data["architecture"],
+            in_memory={k: tuple(v) for k, v in data["in_memory"].items()},
+            on_disk={k: tuple(v) for k, v in data["on_disk"].items()},
+            tied=dict(data["tied"]),
+            from_cache=True,
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def store_expected(exp: ExpectedModel, is_value_model: bool = False) -> None:
+    """Save ``exp`` for :func:`cached_expected` (atomic write; failures are ignored: the cache is optional)."""
+    root = cache_dir()
+    if root is None or exp.config_dir is None:
+        return
+    key = _cache_key(exp.config_dir, is_value_model)
+    if key is None:
+        return
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = root / f".expected-{key}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(exp.to_json()))
+        os.replace(tmp, root / f"expected-{key}.json")
+    except OSError as e:
+        log.debug("expected-model cache not written: %s", e)
+
+
+def expected_via_subprocess(config_dir: Path, is_value_model: bool = False, timeout: float = 300.0) -> ExpectedModel:
+    """Build the expected key set in a child interpreter (``python -m shardmerge.convert.expected``).
+
+    The model-code import is pure-Python, GIL-bound work of about 1.5 s; in a child it runs on another core
+    while this process reads and writes tensors. The child also stores the cache entry. The result carries no
+    model object (``model=None``).
+
+    Raises:
+        the :class:`ShardMergeError` subclass the child reported (same message), or ``RuntimeError`` when the child
+        failed otherwise (the caller then builds in-process).
+    """
+    import subprocess
+    import sys
+
+    from .. import errors
+
+    cmd = [sys.executable, "-m", "shardmerge.convert.expected", str(config_dir)] + (["--value-model"] if is_value_model else [])
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    try:
+        data = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        raise RuntimeError(f"expected-model helper failed ({proc.returncode}): {proc.stderr.strip()[-500:]}") from None
+    if "error" in data:
+        cls = getattr(errors, data["error"]["type"], None)
+        if isinstance(cls, type) and issubclass(cls, errors.ShardMergeError):
+            raise cls(data["error"]["message"])
+        raise RuntimeError(data["error"]["message"])
+    return ExpectedModel(
+        config=None,
+        config_dir=config_dir,
+        architecture=data["architecture"],
+        in_memory={k: tuple(v) for k, v in data["in_memory"].items()},
+        on_disk={k: tuple(v) for k, v in data["on_disk"].items()},
+        tied=dict(data["tied"]),
+    )
+
+
+def _main(argv: list[str]) -> int:
+    from ..errors import ShardMergeError
+
+    config_dir = Path(argv[0])
+    value = "--value-model" in argv[1:]
+    try:
+        exp = build_expected(config_dir, is_value_model=value)
+        store_expected(exp, value)
+        print(json.dumps(exp.to_json()))
+    except ShardMergeError as e:
+        print(json.dumps({"error": {"type": type(e).__name__, "message": str(e)}}))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    raise SystemExit(_main(sys.argv[1:]))

@@ -150,8 +150,77 @@ def convert_hf_named(
     notes.extend(moe_notes)
 
     check_key_set(tensors, exp.on_disk, str(ckpt.path))
-    ordered = {k: tensors[k] for k in exp.on_disk}
-    return Converted(ordered, notes, prefix, dropped, tied_dropped)
+    # Order follows the checkpoint (the trained model's state_dict order), so the file layout depends on the
+    # checkpoint alone, whichever path planned it.
+    return Converted(tensors, notes, prefix, dropped, tied_dropped)
+
+
+def common_prefix(names: list[str]) -> str:
+    """The longest dot-boundary prefix shared by all names ("" when there is none)."""
+    if not names:
+        return ""
+    first = names[0].split(".")
+    n = len(first) - 1
+    for name in names[1:]:
+        parts = name.split(".")
+        k = 0
+        while k < min(n, len(parts) - 1) and parts[k] == first[k]:
+            k += 1
+        n = k
+        if n == 0:
+            return ""
+    return ".".join(first[:n]) + "." if n else ""
+
+
+def _raw_tie(raw: dict) -> bool | None:
+    for d in (raw, raw.get("text_config") or {}):
+        if isinstance(d, dict) and "tie_word_embeddings" in d:
+            return bool(d["tie_word_embeddings"])
+    return None
+
+
+def speculate_hf_named(ckpt: SourceCheckpoint, raw_config: dict | None) -> Converted | None:
+    """A plan from the checkpoint and the raw ``config.json`` alone, without importing model code.
+
+    Used to start writing while the expected model is still being built; :func:`convert_hf_named` must later
+    produce the same mapping (same names, same sources) or the merge is planned again. Returns ``None`` when the
+    exact path is needed anyway: fused MoE experts, a tie that only a value comparison can settle, an unknown tie
+    setting.
+    """
+    if raw_config is None:
+        return None
+    tie = _raw_tie(raw_config)
+    if tie is None:
+        return None
+    cleaned = {strip_wrappers(k): k for k in ckpt.tensors}
+    if len(cleaned) != len(ckpt.tensors):
+        return None
+    prefix = common_prefix(list(cleaned))
+    tensors = {c[len(prefix):]: ckpt.tensors[k] for c, k in cleaned.items()}
+    if any(".experts." in k and len(t.shape) == 3 for k, t in tensors.items()):
+        return None
+    notes = [f"stripped prefix '{prefix}' from {len(tensors)} keys (matched against the model's state_dict keys)"] if prefix else []
+    tied_dropped: list[str] = []
+    if tie:
+        seen: dict = {}
+        for k, t in list(tensors.items()):
+            ident = t.identity()
+            if ident is None:
+                continue
+            if ident in seen:
+                del tensors[k]
+                tied_dropped.append(k)
+            else:
+                seen[ident] = k
+        if not tied_dropped:
+            return None
+        notes.append(f"tied weights: {', '.join(tied_dropped)} equal their source and are not written (as save_pretrained)")
+    return Converted(tensors, notes, prefix, [], tied_dropped)
+
+
+def same_plan(a: Converted, b: Converted) -> bool:
+    """True when two conversions map the same names, in the same order, to the same source objects."""
+    return list(a.tensors) == list(b.tensors) and all(a.tensors[k] is b.tensors[k] for k in a.tensors)
 
 
 def check_key_set(

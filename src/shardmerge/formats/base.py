@@ -124,6 +124,15 @@ class TensorSource:
 
     def read(self, box: Box) -> torch.Tensor:
         """Return the values inside ``box`` as a contiguous CPU tensor of shape ``box_shape(box)``."""
+        out = torch.empty(box_shape(box), dtype=self.dtype)
+        self.read_into(box, out)
+        return out
+
+    def read_into(self, box: Box, out: torch.Tensor) -> None:
+        """Write the values inside ``box`` into ``out`` (shape ``box_shape(box)``, this dtype, any strides).
+
+        The writer calls this with reused buffers, so no allocation happens per block in the common case.
+        """
         raise NotImplementedError
 
     def identity(self) -> tuple | None:
@@ -157,25 +166,29 @@ class StorageSlice(TensorSource):
     def files(self) -> set[str]:
         return {self.path}
 
-    def read(self, box: Box) -> torch.Tensor:
+    def read_into(self, box: Box, out: torch.Tensor) -> None:
         shape = box_shape(box)
         count = math.prod(shape)
         if count == 0:
-            return torch.empty(shape, dtype=self.dtype)
+            return
         item = self.dtype.itemsize
         first = self.storage_offset + sum(a * s for (a, _), s in zip(box, self.stride))
         last = self.storage_offset + sum((b - 1) * s for (_, b), s in zip(box, self.stride))
         span = last - first + 1
+        dense = span == count and _is_contiguous(shape, self.stride)
+        if dense and out.is_contiguous():
+            # The common case: the box is one byte range of the file; read it straight into the caller's buffer.
+            self.pool.pread_into(self.path, out.view(-1).view(torch.uint8), self.byte_offset + first * item)
+            return
         if span > 2 * count + (1 << 18) and shape[0] > 1:
             # A narrow box across long rows: read index by index rather than the whole span.
-            parts = [self.read(((i, i + 1),) + box[1:]) for i in range(box[0][0], box[0][1])]
-            return torch.cat(parts, dim=0)
+            for i in range(box[0][0], box[0][1]):
+                self.read_into(((i, i + 1),) + box[1:], out[i - box[0][0] : i - box[0][0] + 1])
+            return
         buf = torch.empty(span * item, dtype=torch.uint8)
         self.pool.pread_into(self.path, buf, self.byte_offset + first * item)
         flat = buf.view(self.dtype)
-        if span == count and _is_contiguous(shape, self.stride):
-            return flat.view(shape)
-        return flat.as_strided(shape, self.stride, 0).contiguous()
+        out.copy_(flat.view(shape) if dense else flat.as_strided(shape, self.stride, 0))
 
 
 def _is_contiguous(shape: Sequence[int], stride: Sequence[int]) -> bool:
@@ -248,32 +261,21 @@ class Assembled(TensorSource):
         ids = tuple((p.offset, p.source.identity()) for p in self.pieces)
         return None if any(i is None for _, i in ids) else ids
 
-    def read(self, box: Box) -> torch.Tensor:
-        parts = []
+    def read_into(self, box: Box, out: torch.Tensor) -> None:
         for p in self.pieces:
             sub = intersect(box, p.box)
-            if sub is not None:
-                parts.append((p, sub))
-        if len(parts) == 1 and parts[0][1] == box:
-            return self._read_piece(*parts[0])
-        out = torch.empty(box_shape(box), dtype=self.dtype)
-        for p, sub in parts:
-            dst = tuple(slice(a - b0, b - b0) for (a, b), (b0, _) in zip(sub, box))
-            out[dst].copy_(self._read_piece(p, sub))
-        return out
-
-    def _read_piece(self, p: Piece, sub: Box) -> torch.Tensor:
-        local = tuple((a - o, b - o) for (a, b), o in zip(sub, p.offset))
-        data = p.source.read(local)
-        if self.check_replicas:
-            for r in p.replicas:
-                other = r.read(local)
-                if not _bitwise_equal(data, other):
-                    raise ReplicaMismatch(
-                        f"{self.name}: replicas differ in box {list(sub)}: {p.where} vs {', '.join(sorted(r.files()))}; "
-                        "the checkpoint is inconsistent (pass check_replicas=False to keep the first copy)"
-                    )
-        return data
+            if sub is None:
+                continue
+            dst = out if sub == box else out[tuple(slice(a - b0, b - b0) for (a, b), (b0, _) in zip(sub, box))]
+            local = tuple((a - o, b - o) for (a, b), o in zip(sub, p.offset))
+            p.source.read_into(local, dst)
+            if self.check_replicas:
+                for r in p.replicas:
+                    if not _bitwise_equal(dst, r.read(local)):
+                        raise ReplicaMismatch(
+                            f"{self.name}: replicas differ in box {list(sub)}: {p.where} vs {', '.join(sorted(r.files()))}; "
+                            "the checkpoint is inconsistent (pass check_replicas=False to keep the first copy)"
+                        )
 
 
 def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -312,7 +314,7 @@ class Sliced(TensorSource):
         inner = self.base.identity()
         return None if inner is None else ("slice", inner, self.region, self.squeeze)
 
-    def read(self, box: Box) -> torch.Tensor:
+    def read_into(self, box: Box, out: torch.Tensor) -> None:
         it = iter(box)
         full = []
         for i, (a, _) in enumerate(self.region):
@@ -321,8 +323,10 @@ class Sliced(TensorSource):
             else:
                 s, e = next(it)
                 full.append((a + s, a + e))
-        data = self.base.read(tuple(full))
-        return data.reshape(box_shape(box))
+        view = out
+        for d in sorted(self.squeeze):
+            view = view.unsqueeze(d)
+        self.base.read_into(tuple(full), view)
 
 
 @dataclass(eq=False)
@@ -335,8 +339,8 @@ class InMemory(TensorSource):
         self.shape = tuple(self.tensor.shape)
         self.dtype = self.tensor.dtype
 
-    def read(self, box: Box) -> torch.Tensor:
-        return self.tensor[tuple(slice(a, b) for a, b in box)].contiguous()
+    def read_into(self, box: Box, out: torch.Tensor) -> None:
+        out.copy_(self.tensor[tuple(slice(a, b) for a, b in box)])
 
 
 @dataclass

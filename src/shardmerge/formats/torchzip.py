@@ -182,17 +182,26 @@ class TorchZip:
         raise SourceError(f"{self.path}: a tensor of shape {list(t.shape)} has no storage record")
 
 
+class _MeshWarningFilter:
+    """Unpickling a DeviceMesh without process groups logs a harmless warning per mesh; drop exactly that one."""
+
+    @staticmethod
+    def filter(record) -> bool:
+        return "pickling/unpickling of the DeviceMesh" not in record.getMessage()
+
+
 class _quiet_mesh_warning:
-    """Unpickling a DeviceMesh without process groups logs a harmless warning per mesh; silence it."""
+    """Install :class:`_MeshWarningFilter` once on torch's device-mesh logger (thread-safe, no level changes)."""
+
+    installed = False
 
     def __enter__(self):
-        import logging
+        if not _quiet_mesh_warning.installed:
+            import logging
 
-        self._logger = logging.getLogger("torch.distributed.device_mesh")
-        self._level = self._logger.level
-        self._logger.setLevel(logging.ERROR)
+            logging.getLogger("torch.distributed.device_mesh").addFilter(_MeshWarningFilter)
+            _quiet_mesh_warning.installed = True
         return self
 
     def __exit__(self, *exc):
-        self._logger.setLevel(self._level)
         return False
