@@ -244,3 +244,21 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+
+
+def write_single(folder: Path, family: str, sd: dict | None = None, world: int = 1, **config_overrides) -> dict:
+    """A W=1 verl-layout actor folder in this process (no process group): ``folder/model_world_size_1_rank_0.pt``.
+
+    ``sd`` replaces the state dict (defaults to a fresh model's). Returns the state dict saved.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = make_config(family, **config_overrides)
+    if sd is None:
+        import transformers
+
+        torch.manual_seed(0)
+        sd = getattr(transformers, FAMILIES[family]["cls"])(cfg).state_dict()
+    torch.save(sd, folder / f"model_world_size_{world}_rank_0.pt")
+    (folder / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": world}))
+    write_hf_side(folder / "huggingface", cfg)
+    return sd

@@ -32,7 +32,7 @@ from .config import MergeConfig
 from .convert import Converted, convert
 from .convert.expected import ExpectedModel, build_expected, cached_expected, expected_via_subprocess, store_expected
 from .convert.hf import same_plan, speculate_hf_named, strip_wrappers
-from .errors import ConfigNotFoundError, ShardMergeError
+from .errors import ConfigNotFoundError, ShardMergeError, TargetError
 from .formats import Located, locate, open_reader
 from .formats.base import FilePool, SourceCheckpoint
 from .hfdir import copy_hf_files, find_config_dir, write_config, write_json
@@ -277,7 +277,7 @@ def _prepare(loc: Located, cfg: MergeConfig, allow_speculation: bool = False) ->
 def _block_bytes(cfg: MergeConfig, workers: int) -> int:
     # Each worker thread owns a source buffer (one block) and a cast buffer (at most one block).
     per = cfg.memory_budget_bytes // (workers * 2)
-    return int(min(max(per, 1 << 20), 512 << 20))
+    return int(min(max(per, 4096), 512 << 20))
 
 
 def _workers(cfg: MergeConfig) -> int:
@@ -444,6 +444,8 @@ def _merge_one(loc: Located, target: Path, cfg: MergeConfig) -> MergeReport:
                     write_files(prep.files, staging.tmp, workers, block, stats, bar.update if bar else None, cfg.device, cancelled)
                 except WriteCancelled:
                     pass
+                except OSError as e:
+                    raise TargetError(f"writing {staging.target} failed: {e.strerror or e}; nothing was published") from None
                 else:
                     if prep.confirm():
                         break

@@ -57,6 +57,8 @@ class TorchZip:
                 infos = zf.infolist()
         except FileNotFoundError:
             raise SourceError(f"{path} does not exist") from None
+        except IsADirectoryError:
+            raise SourceError(f"{path} is a directory, not a torch.save file") from None
         except zipfile.BadZipFile as e:
             raise SourceError(f"{path} is truncated or not a torch.save zip file ({e})") from None
         except OSError as e:
