@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -34,6 +35,15 @@ FAMILIES = {
     "qwen3": dict(cls="Qwen3ForCausalLM", cfg="Qwen3Config", kw=dict(vocab_size=101, hidden_size=32, intermediate_size=48,
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
                   max_position_embeddings=64)),
+    # Qwen3-MoE: 4 experts fused in memory as mlp.experts.gate_up_proj [E, 2I, H] / down_proj [E, H, I].
+    "qwen3moe": dict(cls="Qwen3MoeForCausalLM", cfg="Qwen3MoeConfig", kw=dict(vocab_size=96, hidden_size=32,
+                     intermediate_size=48, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                     tie_word_embeddings=False, max_position_embeddings=64)),
+    # Mixtral: written on disk as block_sparse_moe.experts.{e}.w1/w2/w3.
+    "mixtral": dict(cls="MixtralForCausalLM", cfg="MixtralConfig", kw=dict(vocab_size=96, hidden_size=32,
+                    intermediate_size=16, num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, max_position_embeddings=64)),
 }
 
 # job name -> (family, layout, world size)
@@ -47,7 +57,20 @@ JOBS = {
     "shard1_w4_qwen3": ("qwen3", "shard1", 4),
     "fsdp_tp_2x2_llama": ("llama", "fsdp_tp", 4),
     "plain_w1_qwen2": ("qwen2", "plain", 1),
+    "moe_w2_qwen3moe": ("qwen3moe", "fsdp2", 2),
+    "moe_w2_mixtral": ("mixtral", "fsdp2", 2),
+    "dcp_w2_llama": ("llama", "dcp_nested", 2),
+    "dcp_flat_w2_qwen3": ("qwen3", "dcp_flat", 2),
+    "accelerate_w2_qwen2": ("qwen2", "accelerate", 2),
 }
+
+# Where each layout's checkpoint lives inside its job folder (what a user would point shardmerge at).
+SOURCE_DIR = {"accelerate": "checkpoint-5"}
+
+
+def source_of(out: Path, job: str) -> Path:
+    """The path of a job's checkpoint."""
+    return out / job / SOURCE_DIR.get(JOBS[job][1], "actor")
 
 
 def make_config(family: str, **overrides):
@@ -109,7 +132,7 @@ def _parallelize(model, layout: str, world: int):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard
 
-    if layout == "fsdp2" or layout == "plain_shards":
+    if layout in ("fsdp2", "plain_shards", "dcp_nested", "dcp_flat", "accelerate"):
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
@@ -183,11 +206,22 @@ def _worker(rank: int, world: int, port: int, out: str, jobs: list[str]) -> None
             if rank == 0:
                 actor.mkdir(parents=True, exist_ok=True)
             dist.barrier()
-            torch.save(sd, actor / f"model_world_size_{world}_rank_{rank}.pt")
+            if layout.startswith("dcp") or layout == "accelerate":
+                import torch.distributed.checkpoint as dcp
+
+                target = actor if layout != "accelerate" else folder / "checkpoint-5" / "pytorch_model_fsdp_0"
+                dcp.save(sd if layout == "dcp_flat" else {"model": sd}, checkpoint_id=str(target))
+            else:
+                torch.save(sd, actor / f"model_world_size_{world}_rank_{rank}.pt")
             if rank == 0:
                 torch.save({k: v.clone() for k, v in full.items()}, folder / "reference.pt")
-                (actor / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 1 if layout == "fsdp1" else 2, "world_size": world}, indent=4))
-                write_hf_side(actor / "huggingface", make_config(family))
+                if layout == "accelerate":
+                    shutil.rmtree(actor)
+                    write_hf_side(folder / "checkpoint-5", make_config(family))
+                else:
+                    if not layout.startswith("dcp"):
+                        (actor / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 1 if layout == "fsdp1" else 2, "world_size": world}, indent=4))
+                    write_hf_side(actor / "huggingface", make_config(family))
             dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -91,5 +91,7 @@ def test_config_search_order(fsdp_ckpts, tmp_path):
 
 
 def test_backend_mismatch(fsdp_ckpts, tmp_path):
-    with pytest.raises(shardmerge.SourceError, match="--backend dcp given but the folder looks like fsdp"):
-        shardmerge.inspect(fsdp_ckpts / "fsdp2_w2_llama" / "actor", backend="dcp")
+    rep = shardmerge.inspect(fsdp_ckpts / "fsdp2_w2_llama" / "actor", backend="dcp")
+    assert rep.format == "fsdp" and "--backend dcp given; read as fsdp" in rep.reason
+    with pytest.raises(shardmerge.SourceError, match="--backend megatron given but the folder looks like fsdp"):
+        shardmerge.inspect(fsdp_ckpts / "fsdp2_w2_llama" / "actor", backend="megatron")

@@ -71,6 +71,10 @@ def detect(p: Path) -> tuple[str, str]:
     if files:
         return "fsdp", f"{len(files)} model_world_size_{files[0][0]}_rank_R.pt rank files"
     if (p / ".metadata").is_file() or any(p.glob("*.distcp")):
+        if (p / "meta.pt").is_file():
+            return "dcp", "Lightning sharded checkpoint (.metadata, *.distcp, meta.pt)"
+        if p.name.startswith("pytorch_model_fsdp"):
+            return "dcp", "accelerate FSDP checkpoint (torch.distributed.checkpoint folder)"
         return "dcp", "torch.distributed.checkpoint folder (.metadata / *.distcp)"
     raise SourceError(
         f"{p}: no checkpoint found (looked for model_world_size_W_rank_R.pt rank files, a DCP .metadata, "
@@ -149,19 +153,30 @@ def _check_backend(p: Path, backend: str) -> tuple[str, str]:
         return found, why
     if backend == found:
         return found, f"--backend {backend} ({why})"
-    if backend == "dcp" and found == "lightning":
-        return found, why
+    fsdp_family = ("fsdp", "dcp", "lightning")
+    if backend in fsdp_family and found in fsdp_family:
+        # verl users type --backend fsdp out of habit; what is on disk decides the reader.
+        return found, f"--backend {backend} given; read as {found}: {why}"
     if found == "megatron":
         raise SourceError(f"{p} is a Megatron checkpoint ({why}), not {backend}; use --backend megatron or auto")
     raise SourceError(f"{p}: --backend {backend} given but the folder looks like {found} ({why})")
 
 
 def open_reader(loc: Located):
-    """The reader function for a located checkpoint."""
+    """The reader function for a located checkpoint: ``reader(path, pool, shape_oracle, trust_pickle=...,
+    check_replicas=...) -> SourceCheckpoint``."""
     if loc.backend == "fsdp":
         from .fsdp import read_fsdp
 
         return read_fsdp
+    if loc.backend == "dcp":
+        from .dcp import read_dcp
+
+        return read_dcp
+    if loc.backend == "lightning":
+        from .lightning import read_single_file
+
+        return read_single_file
     if loc.backend == "megatron":
         raise UnsupportedSourceError(f"{loc.path}: Megatron checkpoint: not supported yet")
-    raise UnsupportedSourceError(f"{loc.path}: the {loc.backend} format is not supported yet")
+    raise UnsupportedSourceError(f"{loc.path}: the {loc.backend} format is not supported")

@@ -15,6 +15,7 @@ and refuses anything else with a :class:`PickleRefusedError` naming the global a
 
 from __future__ import annotations
 
+import _compat_pickle
 import importlib
 import io
 import pickle
@@ -201,6 +202,11 @@ def make_unpickler(
 
     class _Unpickler(pickle.Unpickler):
         def find_class(self, module: str, name: str) -> Any:
+            # Protocol-2 pickles name Python 2 modules (__builtin__, copy_reg); map them as pickle itself does.
+            if (module, name) in _compat_pickle.NAME_MAPPING:
+                module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+            elif module in _compat_pickle.IMPORT_MAPPING:
+                module = _compat_pickle.IMPORT_MAPPING[module]
             hit = overrides.get((module, name))
             if hit is not None:
                 return hit

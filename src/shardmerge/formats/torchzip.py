@@ -14,6 +14,7 @@ once (device-mesh rank maps, scalars) so that metadata objects that hold them wo
 
 from __future__ import annotations
 
+import io
 import os
 import struct
 import sys
@@ -39,19 +40,25 @@ class TorchZip:
         UnsupportedSourceError: the legacy non-zip ``torch.save`` format or a big-endian file.
     """
 
-    def __init__(self, path: str, pool: FilePool):
+    def __init__(self, path: str, pool: FilePool, base: int = 0, length: int | None = None):
         self.path = path
         self.pool = pool
+        # A torch.save blob may sit inside a bigger file (DCP writes one per item at an offset of a .distcp file).
+        self.base = base
+        self.where = path if base == 0 and length is None else f"{path} (bytes {base}..{base + (length or 0)})"
         try:
-            self.size = os.path.getsize(path)
-            with open(path, "rb") as f:
+            self.size = os.path.getsize(path) if length is None else length
+            if base + self.size > os.path.getsize(path):
+                raise SourceError(f"{self.where} is truncated: the file ends at {os.path.getsize(path)}")
+            with open(path, "rb") as raw:
+                f = _Window(raw, base, self.size)
                 magic = f.read(4)
                 if magic != b"PK\x03\x04":
                     if magic[:1] == b"\x80":
                         raise UnsupportedSourceError(
-                            f"{path} uses the legacy (pre-1.6, non-zip) torch.save format; re-save it with a current torch"
+                            f"{self.where} uses the legacy (pre-1.6, non-zip) torch.save format; re-save it with a current torch"
                         )
-                    raise SourceError(f"{path} is empty, truncated or not a torch.save zip file")
+                    raise SourceError(f"{self.where} is empty, truncated or not a torch.save zip file")
                 f.seek(0)
                 zf = zipfile.ZipFile(f)
                 infos = zf.infolist()
@@ -60,7 +67,7 @@ class TorchZip:
         except IsADirectoryError:
             raise SourceError(f"{path} is a directory, not a torch.save file") from None
         except zipfile.BadZipFile as e:
-            raise SourceError(f"{path} is truncated or not a torch.save zip file ({e})") from None
+            raise SourceError(f"{self.where} is truncated or not a torch.save zip file ({e})") from None
         except OSError as e:
             raise SourceError(f"cannot read {path}: {e}") from None
         self._infos = {i.filename: i for i in infos}
@@ -68,11 +75,11 @@ class TorchZip:
             n for n in self._infos if n == "data.pkl"
         ]
         if not pkl:
-            raise SourceError(f"{path} has no data.pkl record: not a torch.save file")
+            raise SourceError(f"{self.where} has no data.pkl record: not a torch.save file")
         self._prefix = pkl[0][: -len("data.pkl")]
         order = self._infos.get(self._prefix + "byteorder")
         if order is not None and self._read_record(order).decode() != sys.byteorder:
-            raise UnsupportedSourceError(f"{path} was written on a {self._read_record(order).decode()}-endian machine")
+            raise UnsupportedSourceError(f"{self.where} was written on a {self._read_record(order).decode()}-endian machine")
         self._storages: dict[int, tuple[str, torch.dtype, int]] = {}
         self._tensors: dict[int, StorageSlice] = {}
         self._keep: list[Any] = []
@@ -85,16 +92,16 @@ class TorchZip:
 
     def _data_offset(self, info: zipfile.ZipInfo) -> int:
         if info.compress_type != zipfile.ZIP_STORED:
-            raise SourceError(f"{self.path}: record {info.filename} is compressed; torch.save never compresses records")
+            raise SourceError(f"{self.where}: record {info.filename} is compressed; torch.save never compresses records")
         head = torch.empty(_LOCAL_HEADER.size, dtype=torch.uint8)
-        self.pool.pread_into(self.path, head, info.header_offset)
+        self.pool.pread_into(self.path, head, self.base + info.header_offset)
         fields = _LOCAL_HEADER.unpack(head.numpy().tobytes())
         if fields[0] != 0x04034B50:
-            raise SourceError(f"{self.path}: bad zip local header for {info.filename} (file corrupt)")
+            raise SourceError(f"{self.where}: bad zip local header for {info.filename} (file corrupt)")
         off = info.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
         if off + info.file_size > self.size:
-            raise SourceError(f"{self.path} is truncated: record {info.filename} ends past the end of the file")
-        return off
+            raise SourceError(f"{self.where} is truncated: record {info.filename} ends past the end of the data")
+        return self.base + off
 
     def load(self, trust: bool = False) -> Any:
         """Replay the pickle; tensors come back as placeholders to pass to :meth:`source_of`.
@@ -127,11 +134,11 @@ class TorchZip:
             ("torch._utils", "_rebuild_parameter_with_state"): rebuild_parameter,
         }
         with _quiet_mesh_warning():
-            return safepickle.loads(data, self.path, trust=trust, persistent_load=self._persistent_load, overrides=overrides)
+            return safepickle.loads(data, self.where, trust=trust, persistent_load=self._persistent_load, overrides=overrides)
 
     def _persistent_load(self, pid: Any) -> Any:
         if not (isinstance(pid, tuple) and pid and pid[0] == "storage"):
-            raise SourceError(f"{self.path}: unknown persistent id {pid!r}")
+            raise SourceError(f"{self.where}: unknown persistent id {pid!r}")
         _, storage_type, key, _location, numel = pid
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -139,10 +146,10 @@ class TorchZip:
         nbytes = numel * dtype.itemsize
         info = self._infos.get(f"{self._prefix}data/{key}")
         if info is None:
-            raise SourceError(f"{self.path}: storage record data/{key} is missing (file truncated or corrupt)")
+            raise SourceError(f"{self.where}: storage record data/{key} is missing (file truncated or corrupt)")
         offset = self._data_offset(info)
         if info.file_size < nbytes:
-            raise SourceError(f"{self.path}: storage data/{key} holds {info.file_size} bytes, expected {nbytes}")
+            raise SourceError(f"{self.where}: storage data/{key} holds {info.file_size} bytes, expected {nbytes}")
         if nbytes <= SMALL_STORAGE:
             buf = torch.empty(nbytes, dtype=torch.uint8)
             if nbytes:
@@ -181,7 +188,36 @@ class TorchZip:
             return src
         if t.device.type == "cpu":
             return InMemory(t)
-        raise SourceError(f"{self.path}: a tensor of shape {list(t.shape)} has no storage record")
+        raise SourceError(f"{self.where}: a tensor of shape {list(t.shape)} has no storage record")
+
+
+class _Window(io.RawIOBase):
+    """A read-only, seekable view of ``length`` bytes at ``base`` of an open file (for zipfile)."""
+
+    def __init__(self, f, base: int, length: int):
+        self.f, self.base, self.length, self.pos = f, base, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.pos = {0: offset, 1: self.pos + offset, 2: self.length + offset}[whence]
+        return self.pos
+
+    def readinto(self, b) -> int:
+        n = max(0, min(len(b), self.length - self.pos))
+        if n == 0:
+            return 0
+        data = os.pread(self.f.fileno(), n, self.base + self.pos)
+        b[: len(data)] = data
+        self.pos += len(data)
+        return len(data)
 
 
 class _MeshWarningFilter:
