@@ -95,6 +95,33 @@ class CPUFSDPStrategy:
 OUT = ""
 
 
+def _corrupter_base():
+    import lightning as L
+
+    return L.Callback
+
+
+class Corrupter(_corrupter_base()):
+    """Truncates one file of the checkpoint saved at ``step``, after the save and before MergeOnSave sees it
+    (listed before MergeOnSave, so its wrapper of ``save_checkpoint`` is the inner one)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def setup(self, trainer, pl_module, stage):
+        orig = trainer.save_checkpoint
+
+        def save_checkpoint(filepath, weights_only=False, storage_options=None):
+            orig(filepath, weights_only=weights_only, storage_options=storage_options)
+            if trainer.global_rank == 0 and trainer.global_step == self.step:
+                p = Path(filepath)
+                victim = sorted(p.glob("__1_*.distcp"))[0] if p.is_dir() else p
+                data = victim.read_bytes()
+                victim.write_bytes(data[: len(data) // 3])
+
+        trainer.save_checkpoint = save_checkpoint
+
+
 def main() -> None:
     global OUT
     ap = argparse.ArgumentParser()
@@ -106,6 +133,7 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=-1)
     ap.add_argument("--merge-on-save", default=None, help="JSON of MergeOnSave options (adds the callback)")
     ap.add_argument("--no-logger", action="store_true")
+    ap.add_argument("--corrupt-step", type=int, default=None, help="damage the checkpoint of this step right after it is saved")
     args = ap.parse_args()
     OUT = args.out
     Path(OUT).mkdir(parents=True, exist_ok=True)
@@ -124,6 +152,8 @@ def main() -> None:
     module = build_module(args.family, args.mode, hparams)
     callbacks = [ModelCheckpoint(dirpath=str(Path(OUT) / "ckpts"), every_n_train_steps=args.every, save_top_k=args.top_k,
                                  monitor="step" if args.top_k > 0 else None, mode="max", save_last=False)]
+    if args.corrupt_step is not None:
+        callbacks.append(Corrupter(args.corrupt_step))
     if args.merge_on_save is not None:
         from shardmerge.hooks.lightning import MergeOnSave
 

@@ -157,3 +157,51 @@ def parse_size(value: str | int, name: str = "size") -> int:
 def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ShardMergeError(f"{name} {value!r} is not one of {', '.join(choices)}")
+
+
+# -- YAML files shipped in shardmerge.conf (generated from MergeConfig; a test checks they agree) ---------------------
+
+def _yaml_value(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return str(v)
+    return '"' + str(v).replace('"', '\\"') + '"'
+
+
+def yaml_fields(indent: str = "") -> str:
+    """Every MergeConfig field with its default and help text as YAML lines."""
+    lines = []
+    for f in fields(MergeConfig):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        lines.append(f"{indent}# {f.metadata.get('help', '')}")
+        lines.append(f"{indent}{f.name}: {_yaml_value(default)}")
+    return "\n".join(lines) + "\n"
+
+
+CONF_FILES = {
+    "shardmerge.yaml": lambda: "# shardmerge MergeConfig defaults (generated from shardmerge.config.MergeConfig)\n" + yaml_fields(),
+    "lightning.yaml": lambda: (
+        "# Lightning callback for Hydra apps: callbacks: [${...}] or hydra.utils.instantiate(cfg)\n"
+        "# (generated from shardmerge.config.MergeConfig)\n"
+        "_target_: shardmerge.hooks.lightning.MergeOnSave\n" + yaml_fields()
+    ),
+    "verl.yaml": lambda: (
+        "# verl trainer keys (trainer.merge_on_save, trainer.shardmerge.*); on the command line:\n"
+        "#   +trainer.merge_on_save=true +trainer.shardmerge.dtype=bfloat16\n"
+        "# (generated from shardmerge.config.MergeConfig)\n"
+        "merge_on_save: false\nshardmerge:\n" + yaml_fields("  ")
+    ),
+}
+
+
+def write_conf(folder: str) -> None:
+    """Regenerate the YAML files of ``shardmerge.conf`` into ``folder``."""
+    import os
+
+    for name, make in CONF_FILES.items():
+        with open(os.path.join(folder, name), "w") as f:
+            f.write(make())
+

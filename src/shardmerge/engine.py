@@ -363,6 +363,10 @@ def merge(
     local_dir: str | os.PathLike,
     target_dir: str | os.PathLike | None = None,
     config: MergeConfig | None = None,
+    *,
+    source_label: str | None = None,
+    run: str | None = None,
+    reserve_bytes: int = 0,
     **overrides: Any,
 ) -> MergeReport:
     """Merge a sharded checkpoint into a HuggingFace model directory.
@@ -372,6 +376,11 @@ def merge(
             folder holding ``actor/`` and ``critic/`` (both merged, into ``target_dir/<role>``, unless ``role``).
         target_dir: output folder; default from ``config.target`` beside the source (``actor`` -> ``actor_hf``).
         config: options; ``overrides`` are :class:`MergeConfig` fields applied on top.
+        source_label: the path recorded as ``source`` in the manifest (the background worker reads a pinned copy
+            but records the path the trainer named).
+        run: a run key recorded in the manifest (``keep_last`` only ever deletes folders of its own run).
+        reserve_bytes: free space to leave on the target filesystem beyond the output (save time keeps room for
+            the trainer's next checkpoint).
 
     Returns:
         a :class:`MergeReport` (with ``roles`` when several roles were merged).
@@ -391,7 +400,8 @@ def merge(
             target = Path(target_dir) / loc.role if (len(locs) > 1 and loc.role) else Path(target_dir)
         else:
             target = default_target(loc.path, cfg.target, loc.step)
-        reports.append(_merge_one(loc, target, cfg))
+        label = source_label if (source_label and len(locs) == 1) else None
+        reports.append(_merge_one(loc, target, cfg, label, run, reserve_bytes))
     rep = _combine(local_dir, reports)
     if len(reports) > 1 and target_dir is not None:
         rep.target = str(target_dir)
@@ -415,7 +425,8 @@ def _configure_logging(cfg: MergeConfig) -> None:
         log.setLevel(logging.WARNING)
 
 
-def _merge_one(loc: Located, target: Path, cfg: MergeConfig) -> MergeReport:
+def _merge_one(loc: Located, target: Path, cfg: MergeConfig, source_label: str | None = None, run: str | None = None,
+               reserve_bytes: int = 0) -> MergeReport:
     started = time.perf_counter()
     staging = Staging(target, overwrite=cfg.overwrite, protected=[loc.path])
     staging.check_target()
@@ -438,7 +449,7 @@ def _merge_one(loc: Located, target: Path, cfg: MergeConfig) -> MergeReport:
             return prep.speculative and not prep.confirmed and prep.expected_ready() and not prep.confirm()
 
         with terminate_as_exception(), staging:
-            staging.check_space(sum(f.size for f in prep.files))
+            staging.check_space(sum(f.size for f in prep.files), reserve_bytes)
             while True:
                 try:
                     write_files(prep.files, staging.tmp, workers, block, stats, bar.update if bar else None, cfg.device, cancelled)
@@ -455,6 +466,8 @@ def _merge_one(loc: Located, target: Path, cfg: MergeConfig) -> MergeReport:
                     bar.reset(total=sum(t.nbytes for t in prep.out))
             rep = _report_from(prep, started)
             rep.target = str(staging.target)
+            if source_label:
+                rep.source = source_label
             for n in prep.notes:
                 log.info("%s: %s", loc.path.name, n)
             if len(prep.files) > 1:
@@ -467,7 +480,7 @@ def _merge_one(loc: Located, target: Path, cfg: MergeConfig) -> MergeReport:
                 rep.copied.insert(0, "config.json")
             rep.nonfinite = {k: v for k, v in stats.nonfinite.items() if v}
             rep.seconds = time.perf_counter() - started
-            write_json(staging.tmp / MANIFEST, _manifest(rep, prep))
+            write_json(staging.tmp / MANIFEST, _manifest(rep, prep, run))
             staging.publish()
         if rep.nonfinite:
             log.warning("%d tensors hold non-finite values (passed through): %s", len(rep.nonfinite), ", ".join(list(rep.nonfinite)[:5]))
@@ -491,10 +504,11 @@ def _limit_cuda(device: str, fraction: float) -> None:
     torch.cuda.set_per_process_memory_fraction(fraction, index)
 
 
-def _manifest(rep: MergeReport, prep: _Plan) -> dict:
+def _manifest(rep: MergeReport, prep: _Plan, run: str | None = None) -> dict:
     return {
         "schema_version": MANIFEST_SCHEMA,
         "source": rep.source,
+        "run": run,
         "format": rep.format,
         "role": rep.role,
         "world_size": rep.world_size,

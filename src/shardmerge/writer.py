@@ -426,13 +426,15 @@ class Staging:
                 out.append(f"{p.name}, pid {pid}")
         return out
 
-    def check_space(self, nbytes: int) -> None:
-        """Raise :class:`DiskSpaceError` when the target filesystem has less than ``nbytes`` (+1%) free."""
+    def check_space(self, nbytes: int, reserve: int = 0) -> None:
+        """Raise :class:`DiskSpaceError` when the target filesystem has less than ``nbytes`` (+1%) plus ``reserve``
+        bytes free."""
         free = shutil.disk_usage(self.tmp).free
-        need = int(nbytes * 1.01) + (16 << 20)
+        need = int(nbytes * 1.01) + (16 << 20) + reserve
         if free < need:
+            extra = f" (including {reserve / 1e9:.2f} GB kept free for the next checkpoint)" if reserve else ""
             raise DiskSpaceError(
-                f"not enough disk space for {self.target}: {need / 1e9:.2f} GB needed, {free / 1e9:.2f} GB free"
+                f"not enough disk space for {self.target}: {need / 1e9:.2f} GB needed{extra}, {free / 1e9:.2f} GB free"
             )
 
     def publish(self) -> None:
