@@ -160,10 +160,10 @@ def test_worker_inherits_no_distributed_environment(fsdp_ckpts, tmp_path, monkey
 
 def test_bad_submissions_never_raise(tmp_path):
     w = MergeWorker()
-    job = w.submit(tmp_path / "does-not-exist")  # cannot be pinned; queued, then fails in the worker
-    assert job is not None
-    [st] = w.close(wait=True, timeout=300)
-    assert st["state"] == "failed" and "does not exist" in st["error"]
+    assert w.submit(tmp_path / "does-not-exist") is None
+    st = read_status(tmp_path / "does-not-exist_hf")
+    assert st["state"] == "failed" and "does not exist" in st["error"] and st["error"].startswith("not queued")
+    assert w.proc is None  # nothing was started for it
     # An invalid option is refused at submit time, recorded, and still does not raise.
     w2 = MergeWorker()
     assert w2.submit(tmp_path / "x", target=tmp_path / "x_hf", dtype="int8") is None

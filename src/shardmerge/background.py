@@ -178,10 +178,13 @@ class MergeWorker:
             from .engine import default_target  # light: no torch import until the engine runs
             from .formats import step_of
 
-            cfg = self.config.replace(**overrides) if overrides else self.config
             src = Path(source).resolve()
             step = step if step is not None else step_of(src)
-            target_path = Path(target).resolve() if target else default_target(src, cfg.target, step)
+            template = overrides.get("target", self.config.target)
+            target_path = Path(target).resolve() if target else default_target(src, template, step)
+            cfg = self.config.replace(**overrides) if overrides else self.config
+            if not src.exists():
+                raise FileNotFoundError(f"{src} does not exist")
             run = run or str(src.parent)
             job = Job(uuid.uuid4().hex[:12], str(src), str(target_path), run, cfg.to_dict(), step=step)
             job.hf_config_dir = self._config_dir(src, hf_config_dir, cfg)
