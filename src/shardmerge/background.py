@@ -351,7 +351,8 @@ def _keep_last(job: Job, n: int) -> list[str]:
     return removed
 
 
-def _run_job(job: Job) -> None:
+def run_job(job: Job) -> None:
+    """Run one job in this process: status running, merge from the pin, status done/failed, unpin. Never raises."""
     from .engine import merge
     from .errors import ShardMergeError
 
@@ -436,7 +437,7 @@ def worker_main() -> int:
             elif op in ("close", "eof"):
                 closing = True
         if pending:
-            _run_job(pending.pop(0))
+            run_job(pending.pop(0))
         elif closing:
             return 0
 

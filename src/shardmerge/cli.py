@@ -94,9 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--interval", type=float, default=10.0, help="seconds between scans")
     w.add_argument("--target", default="{stem}_hf", help=HELP["target"])
     w.add_argument("--dtype", choices=DTYPES, default="bfloat16", help=HELP["dtype"])
+    w.add_argument("--max-shard-size", "--max_shard_size", dest="max_shard_size", default="5GB", help=HELP["max_shard_size"])
     w.add_argument("--hf-model-config-path", "--hf_model_config_path", dest="hf_model_config_path", help=HELP["hf_model_config_path"])
     w.add_argument("--keep-last", dest="keep_last", type=int, help=HELP["keep_last"])
     w.add_argument("--trust-pickle", dest="trust_pickle", action="store_true", help=HELP["trust_pickle"])
+    w.add_argument("--trust-remote-code", dest="trust_remote_code", action="store_true", help=HELP["trust_remote_code"])
     w.add_argument("--json", action="store_true", help="print one JSON line per merge")
     w.add_argument("--quiet", "-q", action="store_true", help=HELP["quiet"])
     return parser
@@ -225,10 +227,10 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             print_verify(rep)
         return 0 if rep.ok else 3
     if args.command == "test":
-        from .verify import print_verify, test_against
+        from .verify import merge_and_compare, print_verify
 
         src = _source(args, parser)
-        rep = test_against(src, args.test_hf_dir, config_from_args(args))
+        rep = merge_and_compare(src, args.test_hf_dir, config_from_args(args))
         if args.json:
             print(json.dumps(rep.to_dict(), indent=2))
         else:
