@@ -64,6 +64,26 @@ JOBS = {
     "accelerate_w2_qwen2": ("qwen2", "accelerate", 2),
 }
 
+# LoRA jobs (llama, untied): peft.get_peft_model, then FSDP2 over the PEFT model, trained so lora_B is non-zero.
+LORA = {
+    "lora_qv_w2": dict(peft=dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]), form="verl", meta=True),
+    "lora_all_dcp_w2": dict(peft=dict(r=4, lora_alpha=16, target_modules="all-linear"), form="dcp", meta=False),
+    "lora_rs_w2": dict(peft=dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], use_rslora=True), form="verl", meta=False),
+    "lora_mts_w2": dict(peft=dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"]), form="verl", meta=True),
+    "lora_dora_w2": dict(peft=dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], use_dora=True), form="verl", meta=True),
+}
+for _j in LORA:
+    JOBS[_j] = ("llama", "lora", 2)
+
+
+def make_peft(job: str, seed: int = 0):
+    """The PEFT model of a LoRA job, freshly initialised (load reference.pt into it to get the trained one)."""
+    from peft import LoraConfig, get_peft_model
+
+    base = make_model("llama", seed=seed)
+    return get_peft_model(base, LoraConfig(task_type="CAUSAL_LM", **LORA[job]["peft"]))
+
+
 # Where each layout's checkpoint lives inside its job folder (what a user would point shardmerge at).
 SOURCE_DIR = {"accelerate": "checkpoint-5"}
 
@@ -179,6 +199,16 @@ def _parallelize(model, layout: str, world: int):
     return model
 
 
+def _parallelize_peft(model, world: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+    for layer in model.base_model.model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
 def _full_state_dict(model, layout: str):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -196,9 +226,16 @@ def _worker(rank: int, world: int, port: int, out: str, jobs: list[str]) -> None
             assert w == world, job
             folder = Path(out) / job
             actor = folder / "actor"
-            model = make_model(family, seed=0)
-            model = _parallelize(model, layout, world)
-            _train(model)
+            if layout == "lora":
+                model = make_peft(job)
+                _parallelize_peft(model, world)
+                torch.manual_seed(rank)  # ranks hold different slices; the data below is the same on all ranks
+                _train(model, steps=3)
+                layout = "dcp_nested" if LORA[job]["form"] == "dcp" else "lora"
+            else:
+                model = make_model(family, seed=0)
+                model = _parallelize(model, layout, world)
+                _train(model)
             full = _full_state_dict(model, layout)
             sd = model.state_dict()
             if layout == "plain_shards":
@@ -215,6 +252,9 @@ def _worker(rank: int, world: int, port: int, out: str, jobs: list[str]) -> None
                 torch.save(sd, actor / f"model_world_size_{world}_rank_{rank}.pt")
             if rank == 0:
                 torch.save({k: v.clone() for k, v in full.items()}, folder / "reference.pt")
+                if job in LORA and LORA[job]["meta"]:
+                    p = LORA[job]["peft"]
+                    (actor / "lora_train_meta.json").write_text(json.dumps({"r": p["r"], "lora_alpha": p["lora_alpha"], "task_type": "CAUSAL_LM"}))
                 if layout == "accelerate":
                     shutil.rmtree(actor)
                     write_hf_side(folder / "checkpoint-5", make_config(family))

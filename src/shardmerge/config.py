@@ -14,7 +14,7 @@ from .errors import ShardMergeError
 
 BACKENDS = ("auto", "fsdp", "dcp", "lightning", "megatron")
 DTYPES = ("bfloat16", "float16", "float32", "source")
-LORA_MODES = ("auto", "adapter", "merge", "both", "none")
+LORA_MODES = ("auto", "adapter", "merge", "both")
 DEVICES = ("cpu", "cuda")
 
 
@@ -53,7 +53,7 @@ class MergeConfig:
         None, "assert the embedding/lm_head tie (checked against config and weights); default: from the config"
     )
     is_value_model: bool = _f(False, "write a value (critic) model: *ForTokenClassification with one label")
-    lora: str = _f("auto", "LoRA output: auto (adapter if LoRA keys exist), adapter, merge, both, none")
+    lora: str = _f("auto", "LoRA output: auto (= adapter when LoRA keys are present), adapter (base + lora_adapter/), merge, both (merged + lora_adapter/)")
     lora_r: int | None = _f(None, "LoRA rank when the checkpoint does not record it")
     lora_alpha: float | None = _f(None, "LoRA alpha when the checkpoint does not record it")
     lora_rslora: bool | None = _f(None, "rank-stabilised LoRA scaling alpha/sqrt(r)")

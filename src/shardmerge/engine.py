@@ -231,6 +231,11 @@ class _Plan:
         for (a, b), n in narrowed.items():
             self.notes.append(f"narrowing {a} -> {b} for {n} tensors (--dtype {self.cfg.dtype}; use --dtype source to keep {a})")
         self.files = plan_files(self.out, self.cfg.max_shard_bytes)
+        self.adapter_files: list[PlannedFile] = []
+        if converted.adapter is not None:
+            tensors, _ = converted.adapter
+            outs = [OutTensor(k, src, src.dtype) for k, src in tensors.items()]
+            self.adapter_files = plan_files(outs, 1 << 62, pattern="adapter_model{suffix}.safetensors")
 
     def confirm(self) -> bool:
         """Check a speculative plan against the exact conversion; adopt the exact one if they differ.
@@ -449,7 +454,7 @@ def _merge_one(loc: Located, target: Path, cfg: MergeConfig, source_label: str |
             return prep.speculative and not prep.confirmed and prep.expected_ready() and not prep.confirm()
 
         with terminate_as_exception(), staging:
-            staging.check_space(sum(f.size for f in prep.files), reserve_bytes)
+            staging.check_space(sum(f.size for f in prep.files + prep.adapter_files), reserve_bytes)
             while True:
                 try:
                     write_files(prep.files, staging.tmp, workers, block, stats, bar.update if bar else None, cfg.device, cancelled)
@@ -464,6 +469,11 @@ def _merge_one(loc: Located, target: Path, cfg: MergeConfig, source_label: str |
                 stats = CastStats()
                 if bar is not None:
                     bar.reset(total=sum(t.nbytes for t in prep.out))
+            if prep.converted.adapter is not None:
+                adir = staging.tmp / "lora_adapter"
+                adir.mkdir()
+                write_files(prep.adapter_files, adir, workers, block, stats, None, cfg.device)
+                prep.converted.adapter[1].save_pretrained(str(adir))
             rep = _report_from(prep, started)
             rep.target = str(staging.target)
             if source_label:
@@ -518,7 +528,8 @@ def _manifest(rep: MergeReport, prep: _Plan, run: str | None = None) -> dict:
         "architecture": rep.architecture,
         "tensors": rep.tensors,
         "bytes": rep.bytes,
-        "files": rep.files + ([] if len(rep.files) == 1 else ["model.safetensors.index.json"]),
+        "files": rep.files + ([] if len(rep.files) <= 1 else ["model.safetensors.index.json"])
+        + (["lora_adapter/adapter_model.safetensors", "lora_adapter/adapter_config.json"] if prep.converted.adapter else []),
         "nonfinite": rep.nonfinite,
         "notes": rep.notes,
         "seconds": round(rep.seconds, 3),

@@ -94,7 +94,7 @@ class PlannedFile:
         return self.data_start + (self.entries[-1][2] if self.entries else 0)
 
 
-def plan_files(tensors: list[OutTensor], max_shard_bytes: int) -> list[PlannedFile]:
+def plan_files(tensors: list[OutTensor], max_shard_bytes: int, pattern: str = "model{suffix}.safetensors") -> list[PlannedFile]:
     """Assign tensors to files under ``max_shard_bytes`` (bytes of tensor data per file) and build each header.
 
     Raises:
@@ -102,11 +102,11 @@ def plan_files(tensors: list[OutTensor], max_shard_bytes: int) -> list[PlannedFi
     """
     from huggingface_hub import split_torch_state_dict_into_shards
 
+    if not tensors:
+        return []
     by_name = {t.name: t for t in tensors}
     metas = {t.name: torch.empty(t.shape, dtype=t.dtype, device="meta") for t in tensors}
-    split = split_torch_state_dict_into_shards(
-        metas, filename_pattern="model{suffix}.safetensors", max_shard_size=max_shard_bytes
-    )
+    split = split_torch_state_dict_into_shards(metas, filename_pattern=pattern, max_shard_size=max_shard_bytes)
     files = []
     for fname, names in split.filename_to_tensors.items():
         # Widest items first so every tensor's data starts aligned to its item size.

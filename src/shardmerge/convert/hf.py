@@ -37,6 +37,8 @@ class Converted:
     dropped: list[str] = field(default_factory=list)
     tied_dropped: list[str] = field(default_factory=list)
     additions: list[str] = field(default_factory=list)
+    # LoRA: (PEFT on-disk name -> source, peft LoraConfig) written to <target>/lora_adapter/
+    adapter: tuple | None = None
 
 
 def strip_wrappers(name: str) -> str:
@@ -188,6 +190,10 @@ def speculate_hf_named(ckpt: SourceCheckpoint, raw_config: dict | None) -> Conve
     setting.
     """
     if raw_config is None:
+        return None
+    from .lora import has_lora
+
+    if has_lora(ckpt.tensors):
         return None
     tie = _raw_tie(raw_config)
     if tie is None:
