@@ -132,14 +132,18 @@ class _Plan:
         self._config_error: ShardMergeError | None = None
         self.config_dir: Path | None = None
         self.raw_config: dict | None = None
+        self._tmpdirs: list[Path] = []
+        self.synth_note: str | None = None
 
     # -- the expected model -------------------------------------------------------------------------------
     def start_expected(self, use_child: bool = False) -> None:
         try:
             self.config_dir = find_config_dir(self.loc.path, self.cfg.hf_model_config_path)
         except ConfigNotFoundError as e:
-            self._config_error = e
-            return
+            self.config_dir = self._synthesized_config(e)
+            if self.config_dir is None:
+                self._config_error = e
+                return
         try:
             self.raw_config = json.loads((self.config_dir / "config.json").read_text())
         except (OSError, json.JSONDecodeError):
@@ -170,6 +174,26 @@ class _Plan:
 
         self._thread = threading.Thread(target=build, name="shardmerge-expected", daemon=True)
         self._thread.start()
+
+    def _synthesized_config(self, not_found: ConfigNotFoundError) -> Path | None:  # noqa: ARG002
+        """Megatron checkpoints without an HF config: one written from the Megatron arguments they record."""
+        if self.loc.backend != "megatron" or self.cfg.hf_model_config_path:
+            return None
+        from .convert.megatron import synthesize_config
+        from .formats.megatron import read_args
+
+        args = read_args(self.loc.path, self.cfg.trust_pickle)
+        if not args:
+            return None
+        import tempfile
+
+        config = synthesize_config(args, str(self.loc.path))
+        folder = Path(tempfile.mkdtemp(prefix="shardmerge-config-"))
+        self._tmpdirs.append(folder)
+        config.save_pretrained(str(folder))
+        self.synth_note = (f"no HF config.json near the checkpoint: a {config.architectures[0]} config was synthesized "
+                           "from the Megatron arguments (no tokenizer or generation config to copy)")
+        return folder
 
     def expected_ready(self) -> bool:
         return (
@@ -209,7 +233,8 @@ class _Plan:
         reader = open_reader(self.loc)
         self.ckpt = reader(self.loc.path, self.pool, self.oracle, trust_pickle=self.cfg.trust_pickle, check_replicas=self.cfg.check_replicas)
         spec = None
-        if allow_speculation and not self.expected_ready() and self.cfg.tie_word_embedding is None:
+        if (allow_speculation and not self.expected_ready() and self.cfg.tie_word_embedding is None
+                and self.ckpt.format != "megatron"):
             spec = speculate_hf_named(self.ckpt, self.raw_config)
         if spec is not None:
             self.speculative = True
@@ -220,7 +245,7 @@ class _Plan:
 
     def _adopt(self, converted: Converted) -> None:
         self.converted = converted
-        self.notes = list(self.ckpt.notes) + converted.notes
+        self.notes = list(self.ckpt.notes) + ([self.synth_note] if self.synth_note else []) + converted.notes
         self.out = []
         narrowed: Counter = Counter()
         for name, src in converted.tensors.items():
@@ -259,6 +284,10 @@ class _Plan:
 
     def close(self) -> None:
         self.pool.close()
+        import shutil
+
+        for d in self._tmpdirs:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def _moe_like(raw: dict | None) -> bool:

@@ -25,6 +25,10 @@ def convert(ckpt: SourceCheckpoint, exp: ExpectedModel, config) -> Converted:
         ConversionError: see :func:`convert_hf_named`; LoRA settings unknown; ``--lora merge`` of a LoRA-only
             checkpoint without ``--base-model-path``.
     """
+    if ckpt.format == "megatron":
+        from .megatron import convert_megatron
+
+        return convert_megatron(ckpt, exp, config.tie_word_embedding, config.keep_mtp)
     sp = lora.split(ckpt)
     if sp is None:
         if config.lora in ("merge", "both", "adapter"):

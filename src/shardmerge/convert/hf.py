@@ -125,6 +125,30 @@ def convert_hf_named(
     if dropped:
         notes.append(f"dropped {len(dropped)} keys outside '{prefix}': {_listing(dropped, 4)}")
 
+    out = finalize(tensors, exp, str(ckpt.path), tie_word_embedding)
+    out.notes = notes + out.notes
+    out.prefix, out.dropped = prefix, dropped
+    return out
+
+
+def finalize(
+    tensors: dict[str, TensorSource],
+    exp: ExpectedModel,
+    where: str,
+    tie_word_embedding: bool | None = None,
+    additions: dict[str, TensorSource] | None = None,
+) -> Converted:
+    """In-memory HF names -> the on-disk key set: tied weights, fused layouts, the key-set check.
+
+    ``additions`` are declared extra tensors (e.g. Megatron MTP layers kept on request): written, reported, and not
+    counted against the key set.
+
+    Raises:
+        ConversionError: see :func:`convert_hf_named`.
+    """
+    from . import moe
+
+    notes: list[str] = []
     cfg_tied = exp.tie_word_embeddings
     if tie_word_embedding is not None and bool(tie_word_embedding) != cfg_tied:
         raise ConversionError(
@@ -137,11 +161,11 @@ def convert_hf_named(
             continue
         src = tensors.get(follows)
         if src is None:
-            raise ConversionError(f"'{key}' is tied to '{follows}' by the config, but '{follows}' is not in {ckpt.path}")
+            raise ConversionError(f"'{key}' is tied to '{follows}' by the config, but '{follows}' is not in {where}")
         if not same_values(tensors[key], src):
             raise ConversionError(
                 f"the config ties '{key}' to '{follows}' (tie_word_embeddings=true) but the trained values differ "
-                f"in {ckpt.path}; set tie_word_embeddings=false in the config to keep the trained {key}"
+                f"in {where}; set tie_word_embeddings=false in the config to keep the trained {key}"
             )
         del tensors[key]
         tied_dropped.append(key)
@@ -151,10 +175,13 @@ def convert_hf_named(
     tensors, moe_notes = moe.to_disk_layout(tensors, exp)
     notes.extend(moe_notes)
 
-    check_key_set(tensors, exp.on_disk, str(ckpt.path))
+    check_key_set(tensors, exp.on_disk, where)
     # Order follows the checkpoint (the trained model's state_dict order), so the file layout depends on the
     # checkpoint alone, whichever path planned it.
-    return Converted(tensors, notes, prefix, dropped, tied_dropped)
+    if additions:
+        tensors.update(additions)
+        notes.append(f"kept {len(additions)} declared additions outside the HF key set: {_listing(list(additions), 4)}")
+    return Converted(tensors, notes, "", [], tied_dropped, sorted(additions or ()))
 
 
 def common_prefix(names: list[str]) -> str:

@@ -178,5 +178,7 @@ def open_reader(loc: Located):
 
         return read_single_file
     if loc.backend == "megatron":
-        raise UnsupportedSourceError(f"{loc.path}: Megatron checkpoint: not supported yet")
+        from .megatron import read_megatron
+
+        return read_megatron
     raise UnsupportedSourceError(f"{loc.path}: the {loc.backend} format is not supported")

@@ -330,6 +330,31 @@ class Sliced(TensorSource):
 
 
 @dataclass(eq=False)
+class Unsqueezed(TensorSource):
+    """``base`` with a new dimension of extent 1 at ``dim`` (a per-expert tensor as one slot of a stacked one)."""
+
+    base: TensorSource
+    dim: int = 0
+
+    def __post_init__(self) -> None:
+        self.dtype = self.base.dtype
+        shape = list(self.base.shape)
+        shape.insert(self.dim, 1)
+        self.shape = tuple(shape)
+
+    def files(self) -> set[str]:
+        return self.base.files()
+
+    def identity(self) -> tuple | None:
+        inner = self.base.identity()
+        return None if inner is None else ("unsqueeze", inner, self.dim)
+
+    def read_into(self, box: Box, out: torch.Tensor) -> None:
+        inner = box[: self.dim] + box[self.dim + 1 :]
+        self.base.read_into(inner, out.squeeze(self.dim))
+
+
+@dataclass(eq=False)
 class InMemory(TensorSource):
     """A small tensor already in memory (e.g. values decoded from a pickle)."""
 
