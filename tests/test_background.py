@@ -11,11 +11,9 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 import torch
 from safetensors.torch import load_file
 
-import ckpt_writers
 from shardmerge.background import MergeWorker, read_status, status_path
 from shardmerge.hfdir import read_manifest
 
@@ -199,6 +197,12 @@ def test_lightning_model_parallel_every_kept_checkpoint_merged(tmp_path):
         assert json.loads((target / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
     AutoModelForCausalLM.from_pretrained(str(ckpts / "epoch=0-step=6_hf"))
     assert not (ckpts / ".shardmerge-pins").exists()
+    # The trainer's logger (Lightning's default CSVLogger here) received each merge's seconds and bytes.
+    import csv
+
+    rows = list(csv.DictReader(open(next(out.glob("lightning_logs/version_*/metrics.csv")))))
+    merged = {int(r["step"]): float(r["shardmerge/bytes"]) for r in rows if r.get("shardmerge/bytes")}
+    assert sorted(merged) == [2, 4, 6] and all(b > 0 for b in merged.values())
     assert not [p for p in ckpts.iterdir() if ".partial-" in p.name]
 
 

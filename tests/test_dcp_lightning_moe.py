@@ -3,7 +3,6 @@ and MoE models: merged output equals what save_pretrained writes for the trained
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess

@@ -16,7 +16,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import ckpt_writers
 import shardmerge
 from shardmerge.background import read_status
 from shardmerge.verify import compare_dirs, merge_and_compare, verify

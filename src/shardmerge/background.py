@@ -83,7 +83,7 @@ def pin(source: Path) -> tuple[Path | None, str]:
         root.mkdir(parents=True)
         dst = root / source.name
         if source.is_dir():
-            for dirpath, dirnames, filenames in os.walk(source):
+            for dirpath, _dirs, filenames in os.walk(source):
                 rel = Path(dirpath).relative_to(source)
                 (dst / rel).mkdir(parents=True, exist_ok=True)
                 for name in filenames:

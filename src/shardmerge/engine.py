@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import subprocess
 import sys
@@ -319,7 +318,7 @@ def _workers(cfg: MergeConfig) -> int:
 
 
 def _report_from(prep: _Plan, started: float) -> MergeReport:
-    ckpt, exp, loc, cfg = prep.ckpt, prep.expected(), prep.loc, prep.cfg
+    ckpt, exp, loc = prep.ckpt, prep.expected(), prep.loc
     out_dtypes = Counter(_dtype_name(t.dtype) for t in prep.out if t.dtype.is_floating_point)
     return MergeReport(
         source=str(loc.path),

@@ -127,7 +127,7 @@ class _Lock:
         except OSError:
             other = os.pread(self.fd, 64, 0).decode(errors="replace").strip()
             os.close(self.fd)
-            raise ShardMergeError(f"another shardmerge watch is following {self.path.parent} (pid {other or '?'}); only one may")
+            raise ShardMergeError(f"another shardmerge watch is following {self.path.parent} (pid {other or '?'}); only one may") from None
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, str(os.getpid()).encode(), 0)
         return self

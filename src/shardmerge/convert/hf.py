@@ -116,8 +116,6 @@ def convert_hf_named(
         ConversionError: missing or unexpected keys (listed), shape mismatches, a tie contradiction (the config or
             ``tie_word_embedding`` says tied but the weights differ, or the user's flag contradicts the config).
     """
-    from . import moe
-
     notes: list[str] = []
     tensors, prefix, dropped = map_names(ckpt, set(exp.in_memory))
     if prefix:

@@ -63,6 +63,12 @@ def _rows(t: TensorSource, a: int, b: int) -> TensorSource:
     return Sliced(t, ((a, b),) + full_box(t.shape)[1:])
 
 
+def _gate_up(t: TensorSource) -> tuple[TensorSource, TensorSource]:
+    """A gated ``linear_fc1`` [2F, H]: all gate rows, then all up rows."""
+    half = t.shape[0] // 2
+    return _rows(t, 0, half), _rows(t, half, 2 * half)
+
+
 def _split_qkv(name: str, t: TensorSource, nh: int, ng: int, d: int) -> dict[str, TensorSource]:
     qpg = nh // ng
     group = (qpg + 2) * d
@@ -160,17 +166,13 @@ def convert_megatron(ckpt: SourceCheckpoint, exp: ExpectedModel, tie_word_embedd
         elif rest == "self_attention.k_layernorm.weight":
             out[f"{p}self_attn.k_norm.weight"] = t
         elif rest == "mlp.linear_fc1.weight":
-            half = t.shape[0] // 2
-            out[f"{p}mlp.gate_proj.weight"] = _rows(t, 0, half)
-            out[f"{p}mlp.up_proj.weight"] = _rows(t, half, 2 * half)
+            out[f"{p}mlp.gate_proj.weight"], out[f"{p}mlp.up_proj.weight"] = _gate_up(t)
         elif rest == "mlp.linear_fc2.weight":
             out[f"{p}mlp.down_proj.weight"] = t
         elif rest == "mlp.router.weight":
             out[f"{p}mlp.gate.weight"] = t
         elif rest == "mlp.shared_experts.linear_fc1.weight":
-            half = t.shape[0] // 2
-            out[f"{p}mlp.shared_expert.gate_proj.weight"] = _rows(t, 0, half)
-            out[f"{p}mlp.shared_expert.up_proj.weight"] = _rows(t, half, 2 * half)
+            out[f"{p}mlp.shared_expert.gate_proj.weight"], out[f"{p}mlp.shared_expert.up_proj.weight"] = _gate_up(t)
         elif rest == "mlp.shared_experts.linear_fc2.weight":
             out[f"{p}mlp.shared_expert.down_proj.weight"] = t
         elif rest == "mlp.shared_experts.gate_weight":

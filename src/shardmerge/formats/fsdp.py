@@ -117,14 +117,13 @@ def read_fsdp(
 
     keys0 = list(loaded[0][1].keys())
     set0 = set(keys0)
-    for (tz, sd), path in zip(loaded[1:], paths[1:]):
+    for (_tz, sd), path in zip(loaded[1:], paths[1:]):
         if set(sd.keys()) != set0:
             only_here = sorted(set(sd.keys()) - set0)
             only_0 = sorted(set0 - set(sd.keys()))
             what = f"'{only_here[0]}' is only in {path.name}" if only_here else f"'{only_0[0]}' is missing from {path.name}"
             raise SourceError(f"{folder}: rank files hold different keys: {what}")
 
-    from torch.distributed.tensor import DTensor
 
     tensors: dict[str, Any] = {}
     placements: Counter = Counter()

@@ -269,7 +269,7 @@ def _global_name(local: str, layer_offset: int, expert_offset: int) -> str:
 
 def _assemble(name: str, items: list, tp: int, gated: bool, check_replicas: bool) -> Assembled:
     by_tp: dict[int, list] = {}
-    for t, e, src, where in items:
+    for t, _ep, src, where in items:
         by_tp.setdefault(t, []).append((src, where))
     dtype = items[0][2].dtype
     first = items[0][2]
