@@ -183,3 +183,13 @@ def test_hsdp_replica_mismatch_is_detected(ckpt_copy, tmp_path):
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
     # Without the check, the first copy is kept and the merge succeeds.
     shardmerge.merge(actor, tmp_path / "out", quiet=True, check_replicas=False)
+
+
+def test_custom_code_copied_only_with_trust_remote_code(ckpt_copy, tmp_path):
+    actor = ckpt_copy("fsdp2_w2_llama") / "actor"
+    (actor / "huggingface" / "modeling_custom.py").write_text("# custom model code\n")
+    shardmerge.merge(actor, tmp_path / "plain", quiet=True)
+    assert not (tmp_path / "plain" / "modeling_custom.py").exists()
+    rep = shardmerge.merge(actor, tmp_path / "trusted", quiet=True, trust_remote_code=True)
+    assert (tmp_path / "trusted" / "modeling_custom.py").read_text() == "# custom model code\n"
+    assert "modeling_custom.py" in rep.copied
