@@ -289,3 +289,63 @@ def test_failure_mid_write_leaves_nothing(fsdp_ckpts, tmp_path, monkeypatch):
     with pytest.raises(shardmerge.TargetError, match="No space left on device"):
         shardmerge.merge(fsdp_ckpts / "fsdp2_w2_llama" / "actor", tmp_path / "out", quiet=True, workers=1)
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
+
+
+def test_single_rank_file_of_sharded_checkpoint(fsdp_ckpts, tmp_path):
+    f = fsdp_ckpts / "fsdp2_w2_llama" / "actor" / "model_world_size_2_rank_0.pt"
+    with pytest.raises(shardmerge.SourceError, match="one rank's file of a 2-rank FSDP checkpoint; point at the folder"):
+        shardmerge.inspect(f)
+    # the same shards under another file name: refused by the single-file reader
+    other = tmp_path / "model.pt"
+    shutil.copyfile(f, other)
+    fails(other, tmp_path, shardmerge.SourceError, "DTensor shards .* one rank's piece of a sharded checkpoint")
+
+
+def test_malformed_json_files(ckpt_copy, tmp_path):
+    actor = ckpt_copy("fsdp2_w2_llama") / "actor"
+    cfg = actor / "huggingface" / "config.json"
+    good = cfg.read_text()
+    for text in ("[1, 2]", "null", '"x"'):
+        cfg.write_text(text)
+        fails(actor, tmp_path, shardmerge.ConversionError, "expected an object")
+    cfg.write_text(good)
+    for text, match in (('{"world_size": "two"}', "world_size is 'two'"), ("[]", "holds a JSON list"), ('{"world_size": 2.5}', "world_size is 2.5")):
+        (actor / "fsdp_config.json").write_text(text)
+        fails(actor, tmp_path, shardmerge.SourceError, match)
+
+
+def test_unwritable_target_parent(fsdp_ckpts, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.raises(shardmerge.TargetError, match="cannot write in .*file"):
+        shardmerge.merge(fsdp_ckpts / "fsdp2_w2_llama" / "actor", blocker / "out", quiet=True)
+
+
+def test_symlinked_targets(fsdp_ckpts, tmp_path):
+    src = fsdp_ckpts / "fsdp2_w2_llama" / "actor"
+    real = tmp_path / "real"
+    real.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    rep = shardmerge.merge(src, link, quiet=True)
+    assert rep.target == str(real) and (real / "model.safetensors").exists() and link.is_symlink()
+    dangling = tmp_path / "dangling"
+    dangling.symlink_to(tmp_path / "elsewhere")
+    shardmerge.merge(src, dangling, quiet=True)
+    assert (tmp_path / "elsewhere" / "shardmerge.json").exists() and dangling.is_symlink()
+    shardmerge.merge(src, link, quiet=True, overwrite=True, dtype="float32")
+    assert link.is_symlink() and json.loads((real / "config.json").read_text())["dtype"] == "float32"
+    assert leftovers(tmp_path) == []
+
+
+def test_dot_source_gets_a_named_target(fsdp_ckpts, monkeypatch):
+    monkeypatch.chdir(fsdp_ckpts / "fsdp2_w2_llama" / "actor")
+    assert shardmerge.inspect(".").target == str(fsdp_ckpts / "fsdp2_w2_llama" / "actor_hf")
+    monkeypatch.chdir(fsdp_ckpts / "fsdp2_w2_llama" / "actor" / "huggingface")
+    assert shardmerge.inspect("..").target == str(fsdp_ckpts / "fsdp2_w2_llama" / "actor_hf")
+
+
+def test_invalid_upload_repo_refused_before_merging(fsdp_ckpts, tmp_path):
+    with pytest.raises(shardmerge.ShardMergeError, match="not a valid repository id"):
+        shardmerge.merge(fsdp_ckpts / "fsdp2_w2_llama" / "actor", tmp_path / "out", quiet=True, upload_repo="not a/valid//name")
+    assert not (tmp_path / "out").exists()

@@ -122,3 +122,14 @@ def test_lora_only_checkpoint(fsdp_ckpts, tmp_path):
 def test_lora_mode_on_plain_checkpoint_is_an_error(fsdp_ckpts, tmp_path):
     with pytest.raises(shardmerge.ConversionError, match="holds no LoRA keys"):
         shardmerge.merge(fsdp_ckpts / "fsdp2_w2_llama" / "actor", tmp_path / "x", quiet=True, lora="merge")
+
+
+def test_verify_merged_output_against_its_source(fsdp_ckpts, tmp_path):
+    """verify re-merges the source with the options recorded in the manifest (here --lora merge)."""
+    from shardmerge.verify import verify
+
+    src = ckpt_writers.source_of(fsdp_ckpts, "lora_qv_w2")
+    shardmerge.merge(src, tmp_path / "m", quiet=True, lora="merge")
+    assert json.loads((tmp_path / "m" / "shardmerge.json").read_text())["options"]["lora"] == "merge"
+    rep = verify(tmp_path / "m", src)
+    assert rep.ok, rep.to_dict()

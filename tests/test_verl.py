@@ -244,10 +244,21 @@ def test_verify_catches_value_missing_and_extra_keys(verl_ckpts, tmp_path):
 
 
 def test_verify_dtype_aware(verl_ckpts, tmp_path):
-    shardmerge.merge(verl_ckpts / "verl_fsdp2_w2", tmp_path / "bf", quiet=True)
-    shardmerge.merge(verl_ckpts / "verl_fsdp2_w2", tmp_path / "f32", dtype="float32", quiet=True)
-    r = verify(tmp_path / "bf", tmp_path / "f32")
-    assert r.ok and r.dtype_differs and "within one ulp" in r.notes[0]
+    for dtype in ("bfloat16", "float16", "float32"):
+        shardmerge.merge(verl_ckpts / "verl_fsdp2_w2", tmp_path / dtype, dtype=dtype, quiet=True)
+    for low in ("bfloat16", "float16"):  # float16 casts reach the subnormal range of the tiny weights
+        r = verify(tmp_path / low, tmp_path / "float32")
+        assert r.ok and r.dtype_differs and "within one ulp" in r.notes[0], r.to_dict()
+    # a real difference of a few ulps is still caught
+    d = tmp_path / "bumped"
+    shutil.copytree(tmp_path / "float16", d)
+    t = load_file(str(d / "model.safetensors"))
+    w = t["model.norm.weight"].clone()
+    w[0] = w[0] * 1.01
+    t["model.norm.weight"] = w
+    save_file(t, str(d / "model.safetensors"), metadata={"format": "pt"})
+    r = verify(d, tmp_path / "float32")
+    assert not r.ok and r.value_mismatch == ["model.norm.weight"]
 
 
 def test_test_command_against_verl_output(verl_ckpts, tmp_path):

@@ -11,10 +11,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from typing import Any
 
-from .config import BACKENDS, DTYPES, LORA_MODES, MergeConfig, field_help
+from .config import BACKENDS, DTYPE_ALIASES, DTYPES, LORA_MODES, MergeConfig, field_help, human_bytes
 from .errors import ShardMergeError
 
 HELP = field_help()
@@ -33,7 +34,7 @@ def _add_source_args(p: argparse.ArgumentParser, positional: bool = True) -> Non
     p.add_argument("--no-tie-word-embedding", dest="tie_word_embedding", action="store_const", const=False, help="assert the embedding and lm_head are not tied")
     p.add_argument("--is-value-model", "--is_value_model", dest="is_value_model", action="store_true", help=HELP["is_value_model"])
     p.add_argument("--use_cpu_initialization", "--use-cpu-initialization", dest="use_cpu_initialization", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help=HELP["dtype"])
+    p.add_argument("--dtype", type=_dtype_arg, default="bfloat16", help=HELP["dtype"])
     p.add_argument("--max-shard-size", "--max_shard_size", dest="max_shard_size", default="5GB", help=HELP["max_shard_size"])
     p.add_argument("--memory-budget", dest="memory_budget", default="256MiB", help=HELP["memory_budget"])
     p.add_argument("--workers", type=int, default=0, help=HELP["workers"])
@@ -66,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="command")
+    parser._subparsers_by_name = sub.choices  # for errors reported with the subcommand's usage
 
     m = sub.add_parser("merge", help="merge a checkpoint into a HF directory")
     _add_source_args(m)
@@ -93,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--once", action="store_true", help="merge what is complete now, then exit")
     w.add_argument("--interval", type=float, default=10.0, help="seconds between scans")
     w.add_argument("--target", default="{stem}_hf", help=HELP["target"])
-    w.add_argument("--dtype", choices=DTYPES, default="bfloat16", help=HELP["dtype"])
+    w.add_argument("--dtype", type=_dtype_arg, default="bfloat16", help=HELP["dtype"])
     w.add_argument("--max-shard-size", "--max_shard_size", dest="max_shard_size", default="5GB", help=HELP["max_shard_size"])
     w.add_argument("--hf-model-config-path", "--hf_model_config_path", dest="hf_model_config_path", help=HELP["hf_model_config_path"])
     w.add_argument("--keep-last", dest="keep_last", type=int, help=HELP["keep_last"])
@@ -130,14 +132,11 @@ def _setup_logging(quiet: bool) -> None:
     log.propagate = False
 
 
-def _fmt_bytes(n: int | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return str(n)
+def _dtype_arg(text: str) -> str:
+    value = DTYPE_ALIASES.get(text.lower(), text.lower())
+    if value not in DTYPES:
+        raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(DTYPES)} (or bf16, fp16, fp32)")
+    return value
 
 
 def _print_report(rep, command: str) -> None:
@@ -159,12 +158,12 @@ def _print_report(rep, command: str) -> None:
         ("config", f"{rep.config_dir} ({rep.architecture})"),
         ("tied embeddings", str(rep.tie_word_embeddings).lower()),
         ("dtype", f"{rep.dtype} (source: {', '.join(f'{k} x{v}' for k, v in rep.source_dtypes.items())})"),
-        ("tensors", f"{rep.tensors}, {_fmt_bytes(rep.bytes)}"),
+        ("tensors", f"{rep.tensors}, {human_bytes(rep.bytes)}"),
         ("files", ", ".join(rep.files)),
     ]
     if command == "inspect":
         rows.append(("target", rep.target or "-"))
-        rows.append(("predicted peak memory", _fmt_bytes(rep.predicted_peak_bytes)))
+        rows.append(("predicted peak memory", human_bytes(rep.predicted_peak_bytes)))
     else:
         rows.append(("target", rep.target or "-"))
         rows.append(("seconds", f"{rep.seconds:.2f}"))
@@ -178,8 +177,19 @@ def _print_report(rep, command: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import signal
+    import traceback
+
+    from .writer import MergeInterrupted
+
+    def on_term(signum, frame):
+        raise MergeInterrupted("interrupted (SIGTERM); temporary output removed")
+
+    signal.signal(signal.SIGTERM, on_term)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        (parser._subparsers_by_name.get(args.command) or parser).error(f"unrecognized arguments: {' '.join(extra)}")
     if args.version:
         from . import __version__
 
@@ -194,12 +204,30 @@ def main(argv: list[str] | None = None) -> int:
     sys.setswitchinterval(0.0005)
     try:
         return _dispatch(args, parser)
+    except MergeInterrupted as e:
+        print(f"shardmerge: {e}", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:
+        print("shardmerge: interrupted (SIGINT); temporary output removed", file=sys.stderr)
+        return 130
     except ShardMergeError as e:
         print(f"shardmerge: error: {e}", file=sys.stderr)
         return e.exit_code
-    except KeyboardInterrupt:
-        print("shardmerge: interrupted; temporary output removed", file=sys.stderr)
-        return 130
+    except Exception as e:  # noqa: BLE001 - a bug: still one line, the traceback on request
+        if os.environ.get("SHARDMERGE_DEBUG"):
+            traceback.print_exc()
+        first = (str(e).strip().splitlines() or [""])[0]
+        print(f"shardmerge: internal error: {type(e).__name__}: {first} (please report it; SHARDMERGE_DEBUG=1 shows the traceback)",
+              file=sys.stderr)
+        return 1
+
+
+def _config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> MergeConfig:
+    try:
+        return config_from_args(args)
+    except ShardMergeError as e:  # an invalid option value is a usage error (exit 2)
+        (parser._subparsers_by_name.get(args.command) or parser).error(str(e))
+        raise
 
 
 def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -207,7 +235,7 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         from . import engine
 
         src = _source(args, parser)
-        cfg = config_from_args(args)
+        cfg = _config(args, parser)
         if args.command == "merge":
             rep = engine.merge(src, args.target_dir, cfg)
         else:
@@ -230,7 +258,7 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         from .verify import merge_and_compare, print_verify
 
         src = _source(args, parser)
-        rep = merge_and_compare(src, args.test_hf_dir, config_from_args(args))
+        rep = merge_and_compare(src, args.test_hf_dir, _config(args, parser))
         if args.json:
             print(json.dumps(rep.to_dict(), indent=2))
         else:

@@ -40,7 +40,7 @@ class MergeConfig:
     role: str | None = _f(None, "verl role to merge when a step holds several (actor, critic); default: all")
     hf_model_config_path: str | None = _f(None, "folder holding config.json, tokenizer and generation config")
     dtype: str = _f("bfloat16", "output dtype of floating tensors: bfloat16, float16, float32 or source")
-    max_shard_size: str | int = _f("5GB", "largest output safetensors file (bytes or e.g. '5GB', '2GiB')")
+    max_shard_size: str | int = _f("5GB", "largest output safetensors file: bytes or KB/MB/GB (powers of 10), KiB/MiB/GiB (powers of 2); a lowercase b (5Gb) means bits, as in transformers")
     memory_budget: str | int = _f("256MiB", "bytes of tensor data in flight at once (read, assembly, cast buffers)")
     workers: int = _f(0, "I/O threads (0: min(4, CPU count))")
     device: str = _f("cpu", "where casts and LoRA products run: cpu or cuda")
@@ -72,6 +72,7 @@ class MergeConfig:
 
     def validate(self) -> None:
         """Raise :class:`ShardMergeError` naming the first invalid field."""
+        self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         _choice("backend", self.backend, BACKENDS)
         _choice("dtype", self.dtype, DTYPES)
         _choice("lora", self.lora, LORA_MODES)
@@ -83,6 +84,10 @@ class MergeConfig:
             raise ShardMergeError(f"workers must be >= 0, got {self.workers}")
         if self.keep_last is not None and self.keep_last < 1:
             raise ShardMergeError(f"keep_last must be >= 1 or None, got {self.keep_last}")
+        if self.lora_r is not None and self.lora_r < 1:
+            raise ShardMergeError(f"lora_r must be >= 1, got {self.lora_r}")
+        if self.base_model_path is not None and not __import__("os").path.isdir(self.base_model_path):
+            raise ShardMergeError(f"base_model_path {self.base_model_path} is not a folder (expected a HF model directory)")
         if not 0 < self.cuda_memory_fraction <= 1:
             raise ShardMergeError(f"cuda_memory_fraction must be in (0, 1], got {self.cuda_memory_fraction}")
 
@@ -152,6 +157,20 @@ def parse_size(value: str | int, name: str = "size") -> int:
     if n <= 0:
         raise ShardMergeError(f"{name} must be positive, got {value!r}")
     return n
+
+
+def human_bytes(n: int | float | None) -> str:
+    """``1.23 GB`` style (powers of 1000, as disk sizes are quoted)."""
+    if n is None:
+        return "-"
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 
 
 def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from . import __version__
-from .config import MergeConfig
+from .config import MergeConfig, human_bytes
 from .convert import Converted, convert
 from .convert.expected import ExpectedModel, build_expected, cached_expected, expected_via_subprocess, store_expected
 from .convert.hf import same_plan, speculate_hf_named, strip_wrappers
@@ -40,6 +40,8 @@ from .writer import MANIFEST, OWNER_FILE, CastStats, OutTensor, PlannedFile, Sta
 log = logging.getLogger("shardmerge")
 
 MANIFEST_SCHEMA = 1
+MANIFEST_OPTIONS = ("dtype", "lora", "lora_r", "lora_alpha", "lora_rslora", "base_model_path", "is_value_model",
+                    "keep_mtp", "tie_word_embedding", "hf_model_config_path", "trust_remote_code")
 
 
 @dataclass
@@ -144,8 +146,9 @@ class _Plan:
                 self._config_error = e
                 return
         try:
-            self.raw_config = json.loads((self.config_dir / "config.json").read_text())
-        except (OSError, json.JSONDecodeError):
+            raw = json.loads((self.config_dir / "config.json").read_text())
+            self.raw_config = raw if isinstance(raw, dict) else None
+        except (OSError, ValueError):
             self.raw_config = None  # load_config reports it with the file name
 
         cached = None if self.cfg.trust_remote_code else cached_expected(self.config_dir, self.cfg.is_value_model)
@@ -349,6 +352,13 @@ def _resolve_config(config: MergeConfig | None, overrides: dict[str, Any]) -> Me
         cfg = cfg.replace(**overrides)
     if cfg.device != "cpu" and not torch.cuda.is_available():
         raise ShardMergeError(f"device {cfg.device!r} requested but CUDA is not available")
+    if cfg.upload_repo:
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+        try:
+            validate_repo_id(cfg.upload_repo)
+        except HFValidationError as e:
+            raise ShardMergeError(f"--hf-upload-path {cfg.upload_repo!r} is not a valid repository id ({str(e).splitlines()[0]})") from None
     return cfg
 
 
@@ -522,7 +532,7 @@ def _merge_one(loc: Located, target: Path, cfg: MergeConfig, source_label: str |
             staging.publish()
         if rep.nonfinite:
             log.warning("%d tensors hold non-finite values (passed through): %s", len(rep.nonfinite), ", ".join(list(rep.nonfinite)[:5]))
-        log.info("merged %s -> %s: %d tensors, %.2f GB in %.1f s", loc.path, target, rep.tensors, rep.bytes / 1e9, rep.seconds)
+        log.info("merged %s -> %s: %d tensors, %s in %.1f s", loc.path, target, rep.tensors, human_bytes(rep.bytes), rep.seconds)
         return rep
     finally:
         if bar is not None:
@@ -560,6 +570,8 @@ def _manifest(rep: MergeReport, prep: _Plan, run: str | None = None) -> dict:
         + (["lora_adapter/adapter_model.safetensors", "lora_adapter/adapter_config.json"] if prep.converted.adapter else []),
         "nonfinite": rep.nonfinite,
         "notes": rep.notes,
+        # the options that decide what was written (verify re-merges a source with them)
+        "options": {k: getattr(prep.cfg, k) for k in MANIFEST_OPTIONS},
         "seconds": round(rep.seconds, 3),
         "shardmerge_version": __version__,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

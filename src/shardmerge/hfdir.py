@@ -94,7 +94,7 @@ def write_config(config_dir: Path, dst: Path, dtype_name: str, architecture: str
 
     Keeping the user's file rather than re-serialising a ``PretrainedConfig`` preserves every field they had.
     """
-    data: dict[str, Any] = json.loads((config_dir / "config.json").read_text())
+    data: dict[str, Any] = json.loads((config_dir / "config.json").read_text())  # validated by load_config
     data["dtype"] = dtype_name
     if "torch_dtype" in data:
         data["torch_dtype"] = dtype_name

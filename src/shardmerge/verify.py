@@ -28,7 +28,6 @@ CONFIG_FIELDS = (
     "rope_theta", "rope_parameters", "rope_scaling", "num_labels", "num_experts", "num_local_experts",
     "num_experts_per_tok", "moe_intermediate_size", "hidden_act",
 )
-_EPS = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float64: 2.0**-52}
 
 
 @dataclass
@@ -96,14 +95,19 @@ def _close(x: torch.Tensor, y: torch.Tensor) -> tuple[bool, float]:
         return same, diff
     if not (x.is_floating_point() and y.is_floating_point()):
         return torch.equal(x.to(torch.int64), y.to(torch.int64)), 0.0
-    eps = max(_EPS.get(x.dtype, 0.0), _EPS.get(y.dtype, 0.0))
+    # One unit in the last place of the less precise dtype, subnormals included: eps * |x| for normal values,
+    # eps * smallest_normal (the subnormal spacing) near zero.
+    low = x.dtype if torch.finfo(x.dtype).eps > torch.finfo(y.dtype).eps else y.dtype
+    fi = torch.finfo(low)
     a, b = x.double(), y.double()
     finite = torch.isfinite(a) & torch.isfinite(b)
     same_nonfinite = bool(((a == b) | (a.isnan() & b.isnan()) | finite).all())
     d = (a - b).abs()[finite]
-    tol = (eps * torch.maximum(a.abs(), b.abs())[finite]) + 1e-30
-    ok = same_nonfinite and bool((d <= tol).all())
-    return ok, float(d.max()) if d.numel() else 0.0
+    tol = fi.eps * torch.maximum(a.abs(), b.abs())[finite] + fi.eps * fi.smallest_normal
+    bad = d > tol
+    ok = same_nonfinite and not bool(bad.any())
+    worst = d[bad] if bool(bad.any()) else d
+    return ok, float(worst.max()) if worst.numel() else 0.0
 
 
 def _config_diff(a: Path, b: Path) -> dict[str, list]:
@@ -225,11 +229,15 @@ def verify(a: str | os.PathLike, b: str | os.PathLike, trust_pickle: bool = Fals
     if not is_hf_dir(pa) and not is_hf_dir(pb):
         raise ShardMergeError(f"neither {pa} nor {pb} is a HF directory (config.json with *.safetensors)")
     hf, ckpt = (pa, pb) if is_hf_dir(pa) else (pb, pa)
-    from .engine import merge
+    from .engine import MANIFEST_OPTIONS, merge
+    from .hfdir import read_manifest
 
+    # A folder we wrote records the options that decided its content (LoRA mode, value model, ...): use them.
+    recorded = (read_manifest(hf) or {}).get("options") or {}
+    opts = {k: v for k, v in recorded.items() if k in MANIFEST_OPTIONS and k != "dtype"}
     with tempfile.TemporaryDirectory(prefix="shardmerge-verify-") as tmp:
         out = Path(tmp) / "merged"
-        merge(ckpt, out, dtype=_dtype_of(hf), quiet=True, trust_pickle=trust_pickle)
+        merge(ckpt, out, dtype=_dtype_of(hf), quiet=True, trust_pickle=trust_pickle, **opts)
         rep = compare_dirs(hf, out) if hf == pa else compare_dirs(out, hf)
         rep.notes.append(f"{ckpt} merged to a temporary folder in {_dtype_of(hf)} for the comparison")
         if hf == pa:

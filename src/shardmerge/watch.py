@@ -218,7 +218,7 @@ def run_watch(args) -> int:
     """CLI entry: ``shardmerge watch ROOT [--once] ...``; exit 1 when a merge failed in ``--once`` mode."""
     from .cli import config_from_args
 
-    cfg = config_from_args(args)
+    cfg = config_from_args(args)  # watch's options are validated by argparse types and MergeConfig
 
     def show(st: dict) -> None:
         if args.json:

@@ -360,9 +360,10 @@ class Staging:
     """
 
     def __init__(self, target: Path, overwrite: bool = False, protected: Iterable[Path] = ()):
-        self.target = Path(os.path.abspath(target))
+        # A symlinked target (or parent) means the place it points to: the folder is built and renamed there.
+        self.target = Path(os.path.realpath(target))
         self.overwrite = overwrite
-        self.protected = [Path(os.path.abspath(p)) for p in protected]
+        self.protected = [Path(os.path.realpath(p)) for p in protected]
         self.tmp = self.target.parent / f".{self.target.name}.partial-{os.getpid()}"
         self.published = False
 
@@ -372,23 +373,32 @@ class Staging:
         for p in self.protected:
             if t == p or p in t.parents or t in p.parents:
                 raise TargetError(f"target {t} overlaps the source {p}; choose a folder outside the checkpoint")
-        if t.exists():
-            if not t.is_dir():
-                raise TargetError(f"target {t} exists and is not a directory")
-            if any(t.iterdir()) and not self.overwrite:
-                raise TargetError(f"target {t} exists and is not empty; pass --overwrite to replace it")
+        try:
+            if t.exists():
+                if not t.is_dir():
+                    raise TargetError(f"target {t} exists and is not a directory")
+                if any(t.iterdir()) and not self.overwrite:
+                    raise TargetError(f"target {t} exists and is not empty; pass --overwrite to replace it")
+        except OSError as e:
+            raise TargetError(f"cannot inspect target {t} ({e.strerror or e})") from None
 
     def __enter__(self) -> "Staging":
         self.check_target()
         parent = self.target.parent
-        parent.mkdir(parents=True, exist_ok=True)
-        self._clean_stale()
         try:
-            self.tmp.mkdir()
-        except FileExistsError:
-            shutil.rmtree(self.tmp)
-            self.tmp.mkdir()
-        (self.tmp / OWNER_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}))
+            parent.mkdir(parents=True, exist_ok=True)
+            self._clean_stale()
+            try:
+                self.tmp.mkdir()
+            except FileExistsError:
+                shutil.rmtree(self.tmp)
+                self.tmp.mkdir()
+            (self.tmp / OWNER_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}))
+        except OSError as e:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            raise TargetError(
+                f"cannot write in {parent} ({e.strerror or e}); choose a writable --target-dir"
+            ) from None
         busy = self._live_siblings()
         if busy:
             shutil.rmtree(self.tmp, ignore_errors=True)
@@ -481,7 +491,7 @@ class terminate_as_exception:
         self._prev = None
         if threading.current_thread() is threading.main_thread():
             def handler(signum, frame):
-                raise MergeInterrupted(f"interrupted by signal {signum}; temporary output removed")
+                raise MergeInterrupted("interrupted (SIGTERM); temporary output removed")
 
             try:
                 self._prev = signal.signal(signal.SIGTERM, handler)

@@ -81,8 +81,10 @@ def load_config(config_dir: Path, trust_remote_code: bool = False) -> Any:
         raise ConfigNotFoundError(f"{path} does not exist")
     try:
         raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConversionError(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConversionError(f"{path} holds a JSON {type(raw).__name__}, expected an object (a HF model config)")
     try:
         return AutoConfig.from_pretrained(str(config_dir), trust_remote_code=trust_remote_code)
     except (ValueError, KeyError, OSError) as e:

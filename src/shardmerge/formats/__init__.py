@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,6 +62,13 @@ def detect(p: Path) -> tuple[str, str]:
         SourceError: nothing recognisable (lists what was looked for).
     """
     if p.is_file():
+        from .fsdp import RANK_FILE
+
+        m = RANK_FILE.match(p.name)
+        if m and int(m.group(1)) > 1:
+            raise SourceError(
+                f"{p} is one rank's file of a {m.group(1)}-rank FSDP checkpoint; point at the folder holding all rank files ({p.parent})"
+            )
         if p.suffix in (".ckpt", ".pt", ".pth", ".bin"):
             return "lightning", f"{p.name} is a single checkpoint file"
         raise SourceError(f"{p} is a file but not a .ckpt/.pt checkpoint")
@@ -76,10 +84,12 @@ def detect(p: Path) -> tuple[str, str]:
         if p.name.startswith("pytorch_model_fsdp"):
             return "dcp", "accelerate FSDP checkpoint (torch.distributed.checkpoint folder)"
         return "dcp", "torch.distributed.checkpoint folder (.metadata / *.distcp)"
+    steps = sorted(c.name for c in p.iterdir() if c.is_dir() and re.match(r"^(global_step_|iter_|checkpoint-)\d+$", c.name))
+    hint = f"; it holds {', '.join(steps[-3:])}: point at one of them" if steps else ""
     raise SourceError(
         f"{p}: no checkpoint found (looked for model_world_size_W_rank_R.pt rank files, a DCP .metadata, "
         "Megatron metadata.json/common.pt or mp_rank_* folders, verl actor/ or critic/ folders, "
-        "latest_checkpointed_iteration.txt)"
+        f"latest_checkpointed_iteration.txt){hint}"
     )
 
 
@@ -94,7 +104,7 @@ def locate(path: str | Path, backend: str = "auto", role: str | None = None) -> 
         SourceError: the path does not exist or holds no checkpoint; the tracker file names a missing step.
         UnsupportedSourceError: a recognised but unsupported format.
     """
-    p = Path(path).expanduser()
+    p = Path(os.path.abspath(Path(path).expanduser()))  # "." and ".." become real names (default targets use them)
     if not p.exists():
         raise SourceError(f"{p} does not exist")
     chain: list[str] = []

@@ -274,7 +274,7 @@ class Assembled(TensorSource):
                     if not _bitwise_equal(dst, r.read(local)):
                         raise ReplicaMismatch(
                             f"{self.name}: replicas differ in box {list(sub)}: {p.where} vs {', '.join(sorted(r.files()))}; "
-                            "the checkpoint is inconsistent (pass check_replicas=False to keep the first copy)"
+                            "the checkpoint is inconsistent (--no-check-replicas / check_replicas=False keeps the first copy)"
                         )
 
 

@@ -59,10 +59,15 @@ def world_size_of(folder: Path) -> int:
     cfg_path = folder / "fsdp_config.json"
     if cfg_path.is_file():
         try:
-            declared = json.loads(cfg_path.read_text()).get("world_size")
-        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+            data = json.loads(cfg_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise SourceError(f"{cfg_path} is not valid JSON ({e})") from None
-        if declared is not None and int(declared) != world:
+        if not isinstance(data, dict):
+            raise SourceError(f"{cfg_path} holds a JSON {type(data).__name__}, expected an object with world_size")
+        declared = data.get("world_size")
+        if declared is not None and (isinstance(declared, bool) or not isinstance(declared, int) or declared < 1):
+            raise SourceError(f"{cfg_path}: world_size is {declared!r}, expected a positive integer")
+        if declared is not None and declared != world:
             raise SourceError(
                 f"{cfg_path} says world_size={declared} but the rank files are for world size {world} "
                 f"({files[0][2].name})"

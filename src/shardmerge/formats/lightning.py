@@ -56,6 +56,11 @@ def read_single_file(
         if not isinstance(v, torch.Tensor):
             skipped.append(str(k))
             continue
+        if type(v).__name__ in ("DTensor", "ShardedTensor"):
+            raise SourceError(
+                f"{path} holds {type(v).__name__} shards ('{k}'): it is one rank's piece of a sharded checkpoint; "
+                "point at the folder holding every rank's file"
+            )
         src = tz.source_of(v)
         t = Assembled(str(k), tuple(src.shape), src.dtype, [Piece((0,) * len(src.shape), src, where=path.name)], check_replicas)
         tensors[str(k)] = t
