@@ -122,8 +122,16 @@ def write_7b(folder: Path, world: int = 8) -> None:
     (folder / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": world}))
 
 
+def settle() -> None:
+    # The previous run's output was just deleted; on filesystems mounted with `discard` (this one) the freed blocks
+    # are trimmed in the background and slow the next writes. Let that finish before timing anything.
+    os.sync()
+    time.sleep(2)
+
+
 def measure(cmd: list[str], env: dict | None = None) -> tuple[float, int, int]:
     """``(seconds, peak RSS bytes, exit code)`` of one process."""
+    settle()
     t0 = time.perf_counter()
     p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     _, status, usage = os.wait4(p.pid, 0)
@@ -174,11 +182,13 @@ def main() -> None:
     for i in range(args.repeat):
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
+        settle()
         t0 = time.perf_counter()
         for p in src.iterdir():
             if p.is_file():
                 shutil.copyfile(p, out / p.name)
         row(f"raw copy of the same bytes (#{i + 1})", time.perf_counter() - t0, 0, nbytes)
+    shutil.rmtree(out, ignore_errors=True)  # free the space before the merges (their disk check counts it)
     # A fresh expected-key-set cache: the first run is a first merge of this config (the model check runs in a
     # helper process), the following ones find the cache (as every later checkpoint of a training run does).
     import tempfile
