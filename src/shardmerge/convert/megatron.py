@@ -31,6 +31,22 @@ from .expected import ExpectedModel
 from .hf import Converted, _listing, finalize
 
 
+# Per-layer Megatron names that map one-to-one onto HF names (TE-fused and local-spec norm names both occur).
+RENAMES = {
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "input_layernorm.weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+    "mlp.router.weight": "mlp.gate.weight",
+    "mlp.shared_experts.linear_fc2.weight": "mlp.shared_expert.down_proj.weight",
+    "mlp.shared_experts.gate_weight": "mlp.shared_expert_gate.weight",
+}
+
+
 def _cfg(exp: ExpectedModel) -> dict:
     raw = json.loads((exp.config_dir / "config.json").read_text()) if exp.config_dir else {}
     return {**(raw.get("text_config") or {}), **raw} if "text_config" in raw else raw
@@ -155,28 +171,12 @@ def convert_megatron(ckpt: SourceCheckpoint, exp: ExpectedModel, tie_word_embedd
             suffix = rest.rsplit(".", 1)[1]
             for which, src in _split_qkv(k, t, nh, ng, d).items():
                 out[f"{p}self_attn.{which}_proj.{suffix}"] = src
-        elif rest == "self_attention.linear_proj.weight":
-            out[f"{p}self_attn.o_proj.weight"] = t
-        elif rest in ("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"):
-            out[f"{p}input_layernorm.weight"] = t
-        elif rest in ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"):
-            out[f"{p}post_attention_layernorm.weight"] = t
-        elif rest == "self_attention.q_layernorm.weight":
-            out[f"{p}self_attn.q_norm.weight"] = t
-        elif rest == "self_attention.k_layernorm.weight":
-            out[f"{p}self_attn.k_norm.weight"] = t
+        elif rest in RENAMES:
+            out[p + RENAMES[rest]] = t
         elif rest == "mlp.linear_fc1.weight":
             out[f"{p}mlp.gate_proj.weight"], out[f"{p}mlp.up_proj.weight"] = _gate_up(t)
-        elif rest == "mlp.linear_fc2.weight":
-            out[f"{p}mlp.down_proj.weight"] = t
-        elif rest == "mlp.router.weight":
-            out[f"{p}mlp.gate.weight"] = t
         elif rest == "mlp.shared_experts.linear_fc1.weight":
             out[f"{p}mlp.shared_expert.gate_proj.weight"], out[f"{p}mlp.shared_expert.up_proj.weight"] = _gate_up(t)
-        elif rest == "mlp.shared_experts.linear_fc2.weight":
-            out[f"{p}mlp.shared_expert.down_proj.weight"] = t
-        elif rest == "mlp.shared_experts.gate_weight":
-            out[f"{p}mlp.shared_expert_gate.weight"] = t
         else:
             me = re.match(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$", rest)
             if me:
