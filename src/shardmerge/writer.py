@@ -192,8 +192,8 @@ def write_files(
     ``workers`` threads each own a reused source buffer and cast buffer (no per-block allocation): a block is read
     from its sources straight into the buffer, cast (on ``device``), checked and written at its offset with
     ``pwrite``. Files are not pre-sized with ``ftruncate``: on ext4, writing into a truncated (sparse) file ran
-    about 10x slower than letting the writes extend it. ``cancelled()`` is polled between blocks. Files are
-    fsynced before returning.
+    about 10x slower than letting the writes extend it. ``cancelled()`` is polled between blocks. Durability is
+    :meth:`Staging.publish`'s job (it fsyncs every file of the folder once, before the rename).
 
     Raises:
         whatever a source raises (:class:`SourceError`, ...), :class:`DtypeError`, ``OSError`` (e.g. ENOSPC).
@@ -211,7 +211,6 @@ def write_files(
             _run_blocks(jobs, workers, block_bytes, stats, progress, device, cancelled, wb)
         for fd, f in zip(fds, files):
             os.ftruncate(fd, f.size)  # no-op unless the file ends with empty tensors
-            os.fsync(fd)
     finally:
         for fd in fds:
             os.close(fd)
@@ -449,10 +448,13 @@ class Staging:
 
     def publish(self) -> None:
         (self.tmp / OWNER_FILE).unlink(missing_ok=True)
-        for p in self.tmp.rglob("*"):
-            if p.is_file():
-                with open(p, "rb") as f:
-                    os.fsync(f.fileno())
+        try:
+            for p in self.tmp.rglob("*"):
+                if p.is_file():
+                    with open(p, "rb") as f:
+                        os.fsync(f.fileno())
+        except OSError as e:  # a deferred write error (ENOSPC, EIO) surfaces here
+            raise TargetError(f"writing {self.target} failed: {e.strerror or e}; nothing was published") from None
         fsync_dir(self.tmp)
         old = None
         if self.target.exists():

@@ -57,6 +57,19 @@ class ExpectedModel:
         kept = {k: v for k, v in self.in_memory.items() if k not in self.tied}
         return kept != self.on_disk
 
+    @classmethod
+    def from_json(cls, data: dict, config_dir: Path | None, from_cache: bool = False) -> "ExpectedModel":
+        """The inverse of :meth:`to_json` (no config or model object)."""
+        return cls(
+            config=None,
+            config_dir=config_dir,
+            architecture=data["architecture"],
+            in_memory={k: tuple(v) for k, v in data["in_memory"].items()},
+            on_disk={k: tuple(v) for k, v in data["on_disk"].items()},
+            tied=dict(data["tied"]),
+            from_cache=from_cache,
+        )
+
     def to_json(self) -> dict:
         return {
             "architecture": self.architecture,
@@ -212,16 +225,7 @@ def cached_expected(config_dir: Path | None, is_value_model: bool = False) -> Ex
     if key is None:
         return None
     try:
-        data = json.loads((root / f"expected-{key}.json").read_text())
-        return ExpectedModel(
-            config=None,
-            config_dir=config_dir,
-            architecture=data["architecture"],
-            in_memory={k: tuple(v) for k, v in data["in_memory"].items()},
-            on_disk={k: tuple(v) for k, v in data["on_disk"].items()},
-            tied=dict(data["tied"]),
-            from_cache=True,
-        )
+        return ExpectedModel.from_json(json.loads((root / f"expected-{key}.json").read_text()), config_dir, from_cache=True)
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -271,14 +275,7 @@ def expected_via_subprocess(config_dir: Path, is_value_model: bool = False, time
         if isinstance(cls, type) and issubclass(cls, errors.ShardMergeError):
             raise cls(data["error"]["message"])
         raise RuntimeError(data["error"]["message"])
-    return ExpectedModel(
-        config=None,
-        config_dir=config_dir,
-        architecture=data["architecture"],
-        in_memory={k: tuple(v) for k, v in data["in_memory"].items()},
-        on_disk={k: tuple(v) for k, v in data["on_disk"].items()},
-        tied=dict(data["tied"]),
-    )
+    return ExpectedModel.from_json(data, config_dir)
 
 
 def _main(argv: list[str]) -> int:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import ConversionError
-from ..formats.base import SourceCheckpoint, TensorSource, full_box, iter_row_blocks
+from ..formats.base import SourceCheckpoint, TensorSource, iter_row_blocks
 from .expected import ExpectedModel
 
 WRAPPER_TOKENS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
@@ -274,4 +274,4 @@ def check_key_set(
         raise ConversionError(f"{where}: {len(bad)} tensor shape(s) differ from the HF model: {shown}")
 
 
-__all__ = ["Converted", "convert_hf_named", "check_key_set", "choose_prefix", "same_values", "full_box"]
+__all__ = ["Converted", "convert_hf_named", "check_key_set", "choose_prefix", "same_values", "finalize"]

@@ -32,10 +32,6 @@ def box_shape(box: Box) -> tuple[int, ...]:
     return tuple(b - a for a, b in box)
 
 
-def box_numel(box: Box) -> int:
-    return math.prod(box_shape(box))
-
-
 def intersect(a: Box, b: Box) -> Box | None:
     out = []
     for (a0, a1), (b0, b1) in zip(a, b):
